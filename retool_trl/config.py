@@ -1,0 +1,184 @@
+"""`ReToolConfig`: TRL's `GRPOConfig` plus the fields of tool-integrated (code interpreter) rollouts."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+# System prompts shipped with the package. `ReToolConfig.system_prompt` takes one of these names, a literal prompt,
+# or "none". Written for this project; the format is the ReTool paper's.
+SYSTEM_PROMPTS: dict[str, str] = {
+    "retool": (
+        "Solve the problem step by step. You have a Python interpreter: to run code, write it between {code_start} "
+        "and {code_end}. Generation stops after {code_end}, the code runs in a persistent session (variables and "
+        "imports carry over between calls), and what it prints is returned between {interpreter_start} and "
+        "{interpreter_end}. Use the interpreter for exact computation and to check your reasoning; print the values "
+        "you need. When you are done, write the final answer once as \\boxed{{answer}}."
+    ),
+    "retool_concise": (
+        "Use Python between {code_start} and {code_end} for any computation; its output appears between "
+        "{interpreter_start} and {interpreter_end}. End with the final answer in \\boxed{{}}."
+    ),
+}
+
+_TRUNCATION_SIDES = ("head", "tail", "middle")
+_SANDBOX_BACKENDS = ("local", "remote")
+
+
+@dataclass
+class ReToolConfig(GRPOConfig):
+    r"""
+    Configuration for [`ReToolTrainer`]: every field of [`~trl.GRPOConfig`] (sampling, KL `beta`, clipping,
+    `loss_type`, vLLM, logging, ...) plus the settings of the interleaved code-interpreter rollout.
+
+    Text format (ReTool paper): the model writes `code_start` + Python + `code_end`; generation stops there, the code
+    runs in a stateful sandbox session, and `interpreter_start` + output + `interpreter_end` is appended as
+    environment tokens that are excluded from the loss. `max_completion_length` counts every completion token,
+    interpreter tokens included.
+
+    Parameters:
+        code_start, code_end, interpreter_start, interpreter_end (`str`):
+            Tags of the text format.
+        max_tool_calls (`int`, defaults to `8`):
+            Executions allowed per completion. After that, `code_end` no longer stops generation or runs code.
+            `0` gives text-only RL with the same trainer.
+        max_interpreter_output_chars (`int`, defaults to `1024`):
+            Interpreter output longer than this is cut (see `interpreter_truncation`) before it is tokenized.
+        interpreter_truncation (`str`, defaults to `"middle"`):
+            Which part of a long output survives: `"head"`, `"tail"` or `"middle"` (both ends kept).
+        sandbox_backend (`str`, defaults to `"local"`):
+            `"local"` (worker pool on this machine) or `"remote"` (SandboxFusion-compatible HTTP service).
+        system_prompt (`str` or `None`, defaults to `"retool"`):
+            Name of a shipped prompt (`retool`, `retool_concise`), a literal prompt, or `None`/`"none"`. It is
+            prepended to conversational prompts that have no system message.
+        correct_reward, incorrect_reward (`float`):
+            Values of [`~retool_trl.rewards.boxed_accuracy`] (ReTool: +1 / -1).
+    """
+
+    code_start: str = field(default="<code>", metadata={"help": "Tag that opens a code block written by the model."})
+    code_end: str = field(
+        default="</code>", metadata={"help": "Tag that closes a code block; generation stops right after it."}
+    )
+    interpreter_start: str = field(
+        default="<interpreter>", metadata={"help": "Tag that opens the interpreter output inserted by the rollout."}
+    )
+    interpreter_end: str = field(
+        default="</interpreter>", metadata={"help": "Tag that closes the interpreter output inserted by the rollout."}
+    )
+    max_tool_calls: int = field(
+        default=8,
+        metadata={
+            "help": "Maximum code executions per completion. After that, the code-end tag no longer triggers "
+            "execution. 0 disables the interpreter (text-only RL)."
+        },
+    )
+    max_interpreter_output_chars: int = field(
+        default=1024,
+        metadata={"help": "Interpreter output is truncated to this many characters before tokenization."},
+    )
+    interpreter_truncation: str = field(
+        default="middle",
+        metadata={
+            "help": "Part of a long interpreter output that is kept: 'head', 'tail' or 'middle' (elide the middle).",
+            "choices": list(_TRUNCATION_SIDES),
+        },
+    )
+    sandbox_backend: str = field(
+        default="local",
+        metadata={"help": "Code execution backend: 'local' (worker pool) or 'remote' (SandboxFusion HTTP API).",
+                  "choices": list(_SANDBOX_BACKENDS)},
+    )
+    sandbox_workers: int | None = field(
+        default=None, metadata={"help": "Local sandbox pool size (default: the number of CPUs)."}
+    )
+    sandbox_timeout_s: float = field(default=5.0, metadata={"help": "Wall-clock limit of one code execution."})
+    sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})
+    sandbox_url: str | None = field(
+        default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}
+    )
+    sandbox_max_concurrency: int = field(
+        default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}
+    )
+    system_prompt: str | None = field(
+        default="retool",
+        metadata={
+            "help": "System prompt added to conversational prompts that have none: a shipped name "
+            f"({', '.join(SYSTEM_PROMPTS)}), a literal prompt, or 'none'."
+        },
+    )
+    correct_reward: float = field(default=1.0, metadata={"help": "Reward of a correct final \\boxed{} answer."})
+    incorrect_reward: float = field(
+        default=-1.0, metadata={"help": "Reward of a wrong or missing final \\boxed{} answer."}
+    )
+
+    def __post_init__(self):
+        self._validate_retool_fields()
+        super().__post_init__()
+        if self.use_vllm and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "use_vllm=True but vLLM is not installed: install the extra with `pip install 'retool-trl[vllm]'` "
+                "or set use_vllm=False."
+            )
+
+    def _validate_retool_fields(self) -> None:
+        tags = {
+            "code_start": self.code_start,
+            "code_end": self.code_end,
+            "interpreter_start": self.interpreter_start,
+            "interpreter_end": self.interpreter_end,
+        }
+        for name, tag in tags.items():
+            if not isinstance(tag, str) or not tag.strip():
+                raise ValueError(f"ReToolConfig.{name} must be a non-empty tag string, got {tag!r}.")
+        if len(set(tags.values())) != len(tags):
+            raise ValueError(f"ReToolConfig tags must be distinct, got {tags}.")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"ReToolConfig.max_tool_calls must be >= 0, got {self.max_tool_calls}.")
+        if self.max_interpreter_output_chars < 16:
+            raise ValueError(
+                "ReToolConfig.max_interpreter_output_chars must be >= 16 (room for the truncation marker), got "
+                f"{self.max_interpreter_output_chars}."
+            )
+        if self.interpreter_truncation not in _TRUNCATION_SIDES:
+            raise ValueError(
+                f"ReToolConfig.interpreter_truncation must be one of {_TRUNCATION_SIDES}, got "
+                f"{self.interpreter_truncation!r}."
+            )
+        if self.sandbox_backend not in _SANDBOX_BACKENDS:
+            raise ValueError(
+                f"ReToolConfig.sandbox_backend must be one of {_SANDBOX_BACKENDS}, got {self.sandbox_backend!r}."
+            )
+        if self.sandbox_backend == "remote" and not self.sandbox_url:
+            raise ValueError("ReToolConfig.sandbox_url is required when sandbox_backend='remote'.")
+        if self.sandbox_timeout_s <= 0:
+            raise ValueError(f"ReToolConfig.sandbox_timeout_s must be > 0, got {self.sandbox_timeout_s}.")
+        if self.sandbox_memory_mb < 64:
+            raise ValueError(f"ReToolConfig.sandbox_memory_mb must be >= 64, got {self.sandbox_memory_mb}.")
+        if self.sandbox_workers is not None and self.sandbox_workers < 1:
+            raise ValueError(f"ReToolConfig.sandbox_workers must be >= 1 or None, got {self.sandbox_workers}.")
+        if self.correct_reward <= self.incorrect_reward:
+            raise ValueError(
+                f"ReToolConfig.correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
+                f"({self.incorrect_reward})."
+            )
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(
+                f"ReToolConfig.max_completion_length must be >= 1, got {self.max_completion_length}."
+            )
+
+    @property
+    def resolved_system_prompt(self) -> str | None:
+        """The system prompt text with the configured tags filled in, or `None`."""
+        if self.system_prompt is None or self.system_prompt.strip().lower() == "none":
+            return None
+        template = SYSTEM_PROMPTS.get(self.system_prompt)
+        if template is None:
+            return self.system_prompt  # a literal prompt, used as written
+        return template.format(
+            code_start=self.code_start,
+            code_end=self.code_end,
+            interpreter_start=self.interpreter_start,
+            interpreter_end=self.interpreter_end,
+        )

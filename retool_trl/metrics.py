@@ -1,0 +1,62 @@
+"""Rollout metrics logged under `retool/` through TRL's own metric dict (so every `report_to` receives them)."""
+
+from __future__ import annotations
+
+import torch
+
+from .rollout import RolloutResult
+
+
+def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
+    """Batch-level ReTool metrics, aggregated over all processes with `gather` (e.g. `accelerator.gather`).
+
+    Args:
+        result: The rollout of this process.
+        gather: Concatenates a tensor across processes (identity on one process).
+    """
+    per_row = torch.tensor(
+        [
+            [
+                calls,
+                errors,
+                timeouts,
+                infra,
+                lines,
+                len(mask) - sum(mask),
+                len(mask),
+                turns,
+            ]
+            for calls, errors, timeouts, infra, lines, mask, turns in zip(
+                result.num_tool_calls,
+                result.num_tool_errors,
+                result.num_tool_timeouts,
+                result.num_infra_errors,
+                result.code_lines,
+                result.interpreter_mask,
+                result.num_turns,
+                strict=True,
+            )
+        ],
+        dtype=torch.float64,
+    ).reshape(-1, 8)
+    rows = gather(per_row).cpu()
+    # Fixed-size summaries: processes may run different numbers of snippets.
+    exec_s = result.exec_seconds
+    latency = torch.tensor([[sum(exec_s), max(exec_s, default=0.0), len(exec_s)]], dtype=torch.float64)
+    latency_sum, latency_max, num_exec = gather(latency).cpu().reshape(-1, 3).T
+    calls, errors, timeouts, infra, lines, interp_tokens, tokens, turns = rows.sum(dim=0).tolist()
+    n = max(len(rows), 1)
+    metrics = {
+        "retool/code_ratio": (rows[:, 0] > 0).double().mean().item() if len(rows) else 0.0,
+        "retool/calls_per_completion": calls / n,
+        "retool/turns_per_completion": turns / n,
+        "retool/error_rate": errors / calls if calls else 0.0,
+        "retool/timeout_rate": timeouts / calls if calls else 0.0,
+        "retool/infra_error_rate": infra / calls if calls else 0.0,
+        "retool/interpreter_token_fraction": interp_tokens / tokens if tokens else 0.0,
+        "retool/code_lines_per_call": lines / calls if calls else 0.0,
+    }
+    if num_exec.sum() > 0:
+        metrics["retool/sandbox_latency_ms_mean"] = (latency_sum.sum() / num_exec.sum()).item() * 1000
+        metrics["retool/sandbox_latency_ms_max"] = latency_max.max().item() * 1000
+    return metrics

@@ -1,0 +1,91 @@
+"""Text helpers for the ReTool format: code extraction, interpreter blocks, model prose and `\\boxed{}` answers.
+
+Everything here works on strings; token-level work (the interpreter mask) lives in `retool_trl.rollout`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_FENCE = re.compile(r"^\s*```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL | re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Tags:
+    """The four tags of the text format (defaults: the ReTool paper's)."""
+
+    code_start: str = "<code>"
+    code_end: str = "</code>"
+    interpreter_start: str = "<interpreter>"
+    interpreter_end: str = "</interpreter>"
+
+    @classmethod
+    def from_config(cls, args) -> Tags:
+        return cls(args.code_start, args.code_end, args.interpreter_start, args.interpreter_end)
+
+
+def strip_code_fence(code: str) -> str:
+    """Removes an optional Markdown fence (```python ... ```) around a code block."""
+    match = _FENCE.match(code)
+    return match.group(1) if match else code
+
+
+def extract_code(turn_text: str, tags: Tags = Tags()) -> str | None:
+    """Returns the code of the block closed by the first `code_end` in `turn_text`, or `None`.
+
+    A turn of generation stops right after `code_end`, so the block to run is the one that this tag closes: the text
+    between the last `code_start` before it and the tag. A `code_end` with no `code_start` before it is not a call.
+    """
+    end = turn_text.find(tags.code_end)
+    if end < 0:
+        return None
+    start = turn_text.rfind(tags.code_start, 0, end)
+    if start < 0:
+        return None
+    return strip_code_fence(turn_text[start + len(tags.code_start) : end]).strip("\n")
+
+
+def format_interpreter_block(output: str, tags: Tags = Tags()) -> str:
+    """The text the environment appends after a code call: `interpreter_start` + output + `interpreter_end`."""
+    return f"{tags.interpreter_start}{output}{tags.interpreter_end}"
+
+
+def remove_spans(text: str, start_tag: str, end_tag: str) -> str:
+    """Deletes every `start_tag ... end_tag` span (tags included); an unclosed span runs to the end of the text."""
+    pieces = []
+    pos = 0
+    while True:
+        start = text.find(start_tag, pos)
+        if start < 0:
+            pieces.append(text[pos:])
+            break
+        pieces.append(text[pos:start])
+        end = text.find(end_tag, start + len(start_tag))
+        if end < 0:
+            break
+        pos = end + len(end_tag)
+    return "".join(pieces)
+
+
+def model_prose(text: str, tags: Tags = Tags()) -> str:
+    """The text the model wrote outside code and interpreter blocks.
+
+    This is where a final answer counts: a `\\boxed{}` printed by code (inside an interpreter block) or written in a
+    code block is not the model's answer.
+    """
+    text = remove_spans(text, tags.interpreter_start, tags.interpreter_end)
+    return remove_spans(text, tags.code_start, tags.code_end)
+
+
+def last_boxed(text: str) -> str | None:
+    """Contents of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, with balanced braces, or `None`."""
+    best = None
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            best = text[match.end() : i - 1]
+    return best

@@ -1,0 +1,93 @@
+"""Reward functions with TRL's signature (`prompts`, `completions`, dataset columns and rollout facts as kwargs).
+
+The rollout hands every reward function these per-completion kwargs (see `retool_trl.rollout.ROLLOUT_FIELDS`):
+`model_text` (the text the policy wrote, interpreter output removed), `num_tool_calls`, `num_tool_errors`,
+`num_tool_timeouts` and `num_infra_errors`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from math_verify import LatexExtractionConfig, parse, verify
+
+from .parsing import Tags, last_boxed, model_prose
+
+
+def _completion_text(completion) -> str:
+    if isinstance(completion, str):
+        return completion
+    # Conversational completion: a list of messages; the assistant's content is what the model wrote.
+    return "".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
+
+
+def _scalar(value, default):
+    # TRL passes every input column as a per-sample list, so config scalars arrive repeated.
+    if value is None:
+        return default
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else default
+    return value
+
+
+def is_equivalent(prediction: str | None, gold: str) -> bool:
+    """Whether `prediction` (contents of a `\\boxed{}`) equals `gold` according to math-verify."""
+    if prediction is None or gold is None:
+        return False
+    # math-verify's timeout uses SIGALRM, which only exists in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
+    if not gold_parsed:
+        gold_parsed = parse(str(gold), parsing_timeout=timeout)
+    pred_parsed = parse(f"\\boxed{{{prediction}}}", [LatexExtractionConfig()], parsing_timeout=timeout)
+    if not gold_parsed or not pred_parsed:
+        return prediction.strip() == str(gold).strip()
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def final_answer(completion, model_text: str | None = None, tags: Tags = Tags()) -> str | None:
+    """The last `\\boxed{}` in the model's own prose (outside code and interpreter blocks)."""
+    text = model_text if model_text is not None else _completion_text(completion)
+    return last_boxed(model_prose(text, tags))
+
+
+def boxed_accuracy(
+    completions: Sequence,
+    answer: Sequence[str],
+    model_text: Sequence[str] | None = None,
+    num_tool_calls: Sequence[int] | None = None,
+    correct_reward: float | Sequence[float] | None = None,
+    incorrect_reward: float | Sequence[float] | None = None,
+    log_metric=None,
+    **kwargs,
+) -> list[float]:
+    r"""ReTool's outcome reward: `correct_reward` (+1) if the last `\boxed{}` the model wrote is equivalent to the
+    gold `answer` (math-verify), else `incorrect_reward` (-1).
+
+    Only model-written prose counts: interpreter output and code blocks are removed first, so an answer printed by
+    code earns nothing until the model states it.
+
+    Args:
+        completions: Completions as TRL passes them (strings, or lists of messages).
+        answer: Gold answers, one per completion (the dataset's `answer` column).
+        model_text: Text written by the policy (from the rollout); if absent it is recovered from `completions`.
+        num_tool_calls: Executions per completion (from the rollout), used to log accuracy with vs without code.
+        correct_reward, incorrect_reward: Reward values (the trainer passes `ReToolConfig`'s).
+        log_metric: TRL's metric logger, passed by the trainer.
+    """
+    tags = Tags(**{k: _scalar(kwargs[k], None) for k in Tags.__dataclass_fields__ if kwargs.get(k) is not None})
+    good = float(_scalar(correct_reward, 1.0))
+    bad = float(_scalar(incorrect_reward, -1.0))
+    correct = []
+    for i, completion in enumerate(completions):
+        text = model_text[i] if model_text is not None else None
+        correct.append(is_equivalent(final_answer(completion, text, tags), answer[i]))
+    if log_metric is not None and num_tool_calls is not None:
+        with_code = [c for c, n in zip(correct, num_tool_calls) if n > 0]
+        without_code = [c for c, n in zip(correct, num_tool_calls) if n == 0]
+        if with_code:
+            log_metric("retool/accuracy_with_code", sum(with_code) / len(with_code))
+        if without_code:
+            log_metric("retool/accuracy_without_code", sum(without_code) / len(without_code))
+    return [good if c else bad for c in correct]

@@ -1,0 +1,211 @@
+"""The interleaved code-interpreter rollout and its interpreter mask.
+
+`interleaved_rollout` is a batched state machine over all completions of a batch:
+
+1. generate for every active sequence until EOS, the code-end tag, or its token budget (one backend call per turn);
+2. collect the code blocks that just closed, across the whole batch, and run them concurrently in the sandbox;
+3. append `<interpreter>output</interpreter>` *token ids* to those sequences (mask 0) and resume only them.
+
+Completions are built by concatenating token ids turn by turn, never by decoding and re-encoding the sequence, so the
+interpreter mask (1 = sampled by the policy, 0 = inserted by the environment) is aligned with `completion_ids` by
+construction. Generation backends (transformers `generate`, vLLM, scripted fakes in tests) implement
+`GenerationBackend`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .parsing import Tags, extract_code, format_interpreter_block
+from .sandbox import ExecResult, truncate_output
+
+# Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
+ROLLOUT_FIELDS = ("model_text", "num_tool_calls", "num_tool_errors", "num_tool_timeouts", "num_infra_errors")
+
+
+@dataclass
+class TurnOutput:
+    """What a backend generated for one sequence in one turn.
+
+    `token_ids` stop after the token that completes the code-end tag (when stopping there was requested), after an
+    EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend has them.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+class GenerationBackend(Protocol):
+    def generate_turn(
+        self, sequences: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop_at_code_end: Sequence[bool]
+    ) -> list[TurnOutput]:
+        """Continues each token sequence (prompt + completion so far) for at most `max_new_tokens[i]` tokens."""
+        ...
+
+
+@dataclass
+class RolloutSpec:
+    """Limits and format of a rollout (built from `ReToolConfig` by `RolloutSpec.from_config`)."""
+
+    max_completion_length: int
+    eos_token_ids: Sequence[int]
+    tags: Tags = field(default_factory=Tags)
+    max_tool_calls: int = 8
+    max_interpreter_output_chars: int = 1024
+    interpreter_truncation: str = "middle"
+
+    @classmethod
+    def from_config(cls, args, eos_token_ids: Sequence[int]) -> RolloutSpec:
+        return cls(
+            max_completion_length=args.max_completion_length,
+            eos_token_ids=list(eos_token_ids),
+            tags=Tags.from_config(args),
+            max_tool_calls=args.max_tool_calls,
+            max_interpreter_output_chars=args.max_interpreter_output_chars,
+            interpreter_truncation=args.interpreter_truncation,
+        )
+
+
+@dataclass
+class RolloutResult:
+    """Token-level result of a rollout, one entry per sequence (TRL's `_generate` contract plus ReTool facts)."""
+
+    completion_ids: list[list[int]]
+    interpreter_mask: list[list[int]]
+    logprobs: list[list[float]] | None
+    model_text: list[str]
+    num_tool_calls: list[int]
+    num_tool_errors: list[int]
+    num_tool_timeouts: list[int]
+    num_infra_errors: list[int]
+    code_lines: list[int]
+    exec_seconds: list[float] = field(default_factory=list)  # one per executed snippet, for latency metrics
+    num_turns: list[int] = field(default_factory=list)
+
+    def extra_fields(self) -> dict[str, list]:
+        return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
+
+
+@dataclass
+class _Row:
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    infra_errors: int = 0
+    code_lines: int = 0
+    turns: int = 0
+    session: object = None
+    done: bool = False
+
+    def append(self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None) -> None:
+        self.completion_ids.extend(ids)
+        self.mask.extend([mask_value] * len(ids))
+        # Environment tokens were not sampled; 0.0 is a placeholder that the mask keeps out of every loss term.
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def interleaved_rollout(
+    prompt_ids: Sequence[Sequence[int]],
+    backend: GenerationBackend,
+    sandbox,
+    tokenizer,
+    spec: RolloutSpec,
+) -> RolloutResult:
+    """Generates one completion per prompt, running the code the model writes and splicing its output back in.
+
+    Args:
+        prompt_ids: Token ids of each prompt (already repeated per generation).
+        backend: Generates one turn for a batch of sequences (`GenerationBackend`).
+        sandbox: A `retool_trl.sandbox` backend (`session()`, `run_many([(session, code), ...])`).
+        tokenizer: Decodes turns (to find code) and encodes interpreter blocks.
+        spec: Limits and tags.
+    """
+    rows = [_Row(list(ids)) for ids in prompt_ids]
+    eos = set(spec.eos_token_ids)
+    exec_seconds: list[float] = []
+    have_logprobs = True
+    try:
+        active = list(range(len(rows)))
+        while active:
+            outputs = backend.generate_turn(
+                [rows[i].prompt_ids + rows[i].completion_ids for i in active],
+                [spec.max_completion_length - len(rows[i].completion_ids) for i in active],
+                [rows[i].calls < spec.max_tool_calls for i in active],
+            )
+            texts = tokenizer.batch_decode([out.token_ids for out in outputs], skip_special_tokens=False)
+            pending: list[tuple[int, str]] = []
+            for i, out, text in zip(active, outputs, texts, strict=True):
+                row = rows[i]
+                row.turns += 1
+                have_logprobs &= out.logprobs is not None
+                row.append(out.token_ids, 1, out.logprobs)
+                if not out.token_ids or out.token_ids[-1] in eos:
+                    row.done = True
+                elif len(row.completion_ids) >= spec.max_completion_length:
+                    row.done = True
+                elif row.calls < spec.max_tool_calls and (code := extract_code(text, spec.tags)) is not None:
+                    pending.append((i, code))
+                # else: a code-end tag without an open code block is plain text; the model just continues.
+            _execute(rows, pending, sandbox, tokenizer, spec, exec_seconds)
+            active = [i for i in active if not rows[i].done]
+    finally:
+        for row in rows:
+            if row.session is not None:
+                row.session.close()
+
+    model_ids = [[t for t, m in zip(r.completion_ids, r.mask) if m] for r in rows]
+    return RolloutResult(
+        completion_ids=[r.completion_ids for r in rows],
+        interpreter_mask=[r.mask for r in rows],
+        logprobs=[r.logprobs for r in rows] if have_logprobs else None,
+        model_text=tokenizer.batch_decode(model_ids, skip_special_tokens=True),
+        num_tool_calls=[r.calls for r in rows],
+        num_tool_errors=[r.errors for r in rows],
+        num_tool_timeouts=[r.timeouts for r in rows],
+        num_infra_errors=[r.infra_errors for r in rows],
+        code_lines=[r.code_lines for r in rows],
+        exec_seconds=exec_seconds,
+        num_turns=[r.turns for r in rows],
+    )
+
+
+def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds: list[float]) -> None:
+    """Runs the batch's pending snippets concurrently and appends each interpreter block (mask 0)."""
+    if not pending:
+        return
+    for i, _ in pending:
+        if rows[i].session is None:
+            rows[i].session = sandbox.session()
+    started = time.perf_counter()
+    try:
+        results = sandbox.run_many([(rows[i].session, code) for i, code in pending])
+    except Exception as exc:  # the sandbox itself failed: not the model's fault, and training must go on
+        elapsed = time.perf_counter() - started
+        message = f"SandboxError: {type(exc).__name__}: {exc}"
+        results = [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)]
+        results = results * len(pending)
+    blocks = []
+    for (i, code), result in zip(pending, results, strict=True):
+        row = rows[i]
+        row.calls += 1
+        row.code_lines += len([line for line in code.splitlines() if line.strip()])
+        row.errors += not result.ok
+        row.timeouts += bool(result.timed_out)
+        row.infra_errors += bool(getattr(result, "infra_error", False))
+        exec_seconds.append(result.duration_s)
+        output = truncate_output(result.output, spec.max_interpreter_output_chars, spec.interpreter_truncation)
+        blocks.append(format_interpreter_block(output, spec.tags))
+    encoded = tokenizer(blocks, add_special_tokens=False)["input_ids"]
+    for (i, _), ids in zip(pending, encoded, strict=True):
+        row = rows[i]
+        room = spec.max_completion_length - len(row.completion_ids)
+        row.append(ids[:room], 0, None)
+        # Out of budget inside (or right after) the interpreter block: the completion ends truncated.
+        row.done = len(ids) >= room

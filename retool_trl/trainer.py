@@ -1,0 +1,141 @@
+"""`ReToolTrainer`: TRL's `GRPOTrainer` with an interleaved code-interpreter rollout.
+
+Only the rollout changes. It is plugged into TRL through the `rollout_func` seam of `GRPOTrainer._generate`, which
+returns `prompt_ids`, `completion_ids`, `logprobs` and an `env_mask` that TRL uses as its `tool_mask`. We chose that
+seam over overriding `_generate` because TRL's `_generate` then still does everything else itself (decoding,
+length/clipping metrics counted on model tokens only, vLLM weight sync, passing our per-sample facts to reward
+functions), so nothing of it is copied here. Everything after the rollout (reference model, KL, clipping, loss types,
+PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so interpreter tokens never reach the loss.
+"""
+
+from __future__ import annotations
+
+from trl import GRPOTrainer
+from trl.data_utils import is_conversational
+from trl.models import unwrap_model_for_generation
+
+from .config import ReToolConfig
+from .generation import TransformersBackend
+from .metrics import rollout_metrics
+from .rewards import boxed_accuracy
+from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .sandbox import build_sandbox
+
+
+class ReToolTrainer(GRPOTrainer):
+    """GRPO with a Python interpreter in the loop (ReTool, arXiv 2504.11536).
+
+    Takes the arguments of [`~trl.GRPOTrainer`]; `args` must be a [`ReToolConfig`]. With `reward_funcs=None` the
+    reward is [`~retool_trl.rewards.boxed_accuracy`] (math-verify on the model's final `\\boxed{}`), which needs an
+    `answer` column in the dataset.
+
+    Args:
+        sandbox (*optional*):
+            A `retool_trl.sandbox` backend to run code in. By default one is built from `args` (`sandbox_backend`,
+            `sandbox_workers`, `sandbox_timeout_s`, ...) at the first rollout and closed when `train()` returns.
+    """
+
+    _tag_names = ["trl", "grpo", "retool"]
+
+    def __init__(self, model, reward_funcs=None, args: ReToolConfig | None = None, *pos, sandbox=None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = ReToolConfig(f"{name.split('/')[-1]}-ReTool")
+        if not isinstance(args, ReToolConfig):
+            raise TypeError(f"ReToolTrainer needs `args` to be a ReToolConfig, got {type(args).__name__}.")
+        for conflicting in ("rollout_func", "tools", "environment_factory"):
+            if kwargs.get(conflicting) is not None:
+                raise ValueError(f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported.")
+        super().__init__(model, reward_funcs if reward_funcs is not None else [boxed_accuracy], args, *pos, **kwargs)
+        # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
+        # tests/test_trl_contract.py instead.
+        self.rollout_func = self._retool_rollout
+        self._sandbox = sandbox
+        self._owns_sandbox = sandbox is None
+
+    # ----------------------------------------------------------------------------------------------- sandbox
+    @property
+    def sandbox(self):
+        if self._sandbox is None:
+            args = self.args
+            if args.sandbox_backend == "remote":
+                self._sandbox = build_sandbox(
+                    "remote",
+                    url=args.sandbox_url,
+                    timeout_s=args.sandbox_timeout_s,
+                    max_concurrency=args.sandbox_max_concurrency,
+                )
+            else:
+                self._sandbox = build_sandbox(
+                    "local",
+                    num_workers=args.sandbox_workers,
+                    timeout_s=args.sandbox_timeout_s,
+                    memory_mb=args.sandbox_memory_mb,
+                    max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
+                )
+        return self._sandbox
+
+    def close_sandbox(self) -> None:
+        """Stops the sandbox workers this trainer started (a user-provided sandbox is left to its owner)."""
+        if self._sandbox is not None and self._owns_sandbox:
+            self._sandbox.close()
+            self._sandbox = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_sandbox()
+
+    # ----------------------------------------------------------------------------------------------- rollout
+    def _with_system_prompt(self, prompts: list) -> list:
+        system = self.args.resolved_system_prompt
+        if system is None or not is_conversational({"prompt": prompts[0]}):
+            return prompts
+        return [p if p and p[0]["role"] == "system" else [{"role": "system", "content": system}, *p] for p in prompts]
+
+    def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
+        """Runs the interleaved rollout with the transformers backend (vLLM: see `retool_trl.generation`)."""
+        spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
+        with unwrap_model_for_generation(
+            self.model_wrapped,
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            generation_kwargs=self.generation_kwargs,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+        ) as unwrapped_model, self._dist.summon_full_params(self.model_wrapped, recurse=False):
+            backend = self._make_generation_backend(unwrapped_model)
+            return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
+
+    def _make_generation_backend(self, unwrapped_model):
+        """The turn generator of the rollout (tests substitute a scripted one here)."""
+        return TransformersBackend(
+            unwrapped_model, self._tokenizer, self.generation_config, self.args.code_end, self.eos_token_ids
+        )
+
+    def _retool_rollout(self, prompts: list, trainer=None) -> dict:
+        """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
+        if self.use_vllm:
+            raise NotImplementedError("The vLLM backend of ReToolTrainer is not available in this version.")
+        prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
+        result = self._generate_rollout([list(ids) for ids in prompt_ids])
+
+        mode = "train" if self.model.training else "eval"
+        for name, value in rollout_metrics(result, self.accelerator.gather).items():
+            self._metrics[mode][name].append(value)
+
+        args = self.args
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": result.completion_ids,
+            "logprobs": result.logprobs,
+            "env_mask": result.interpreter_mask,
+            **result.extra_fields(),
+            # Scalars reach every reward function as kwargs; `boxed_accuracy` reads them.
+            "correct_reward": args.correct_reward,
+            "incorrect_reward": args.incorrect_reward,
+            "code_start": args.code_start,
+            "code_end": args.code_end,
+            "interpreter_start": args.interpreter_start,
+            "interpreter_end": args.interpreter_end,
+        }

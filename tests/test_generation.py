@@ -1,0 +1,46 @@
+"""The transformers turn backend: stop at the code-end tag (also inside a longer token), at EOS, or at the budget."""
+
+import torch
+from transformers import GenerationConfig
+
+from retool_trl.generation import TransformersBackend, _TurnStopper
+from retool_trl.testing import make_bpe_tokenizer, make_tiny_qwen2
+
+
+def test_stopper_records_where_each_sequence_stops():
+    tokenizer = make_bpe_tokenizer(vocab_size=400)
+    vocab = tokenizer.get_vocab()
+    # A single token that contains the whole tag plus trailing text, e.g. ")</code>\n<interpreter>".
+    long_token = next(t for t in vocab if "</code>" in tokenizer.convert_tokens_to_string([t])
+                      and len(tokenizer.convert_tokens_to_string([t])) > len("</code>"))
+    plain = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    from transformers import StopStringCriteria
+
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=["</code>"])
+    rows = [
+        plain + [vocab[long_token]],  # tag inside a longer token: stop at step 4
+        plain + [eos],  # EOS at step 4
+        plain + [vocab[long_token]],  # tag, but stopping at code-end is disabled for this row
+        plain + plain[:1],  # budget of 2 tokens
+    ]
+    stopper = _TurnStopper(criterion, 0, [10, 10, 10, 2], [True, True, False, True], [eos], "cpu")
+    for step in range(1, 5):
+        stopper(torch.tensor([r[:step] for r in rows]), None)
+    assert stopper.stop_len.tolist() == [4, 4, -1, 2]
+
+
+def test_backend_respects_per_sequence_budgets():
+    tokenizer = make_bpe_tokenizer(vocab_size=300)
+    model = make_tiny_qwen2(tokenizer).eval()
+    config = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=50, eos_token_id=[tokenizer.eos_token_id],
+                              pad_token_id=tokenizer.pad_token_id)
+    backend = TransformersBackend(model, tokenizer, config, "</code>", [tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    outs = backend.generate_turn([[5, 6, 7], [8, 9], [10]], [1, 7, 20], [True, True, False])
+    assert len(outs[0].token_ids) == 1
+    assert len(outs[1].token_ids) <= 7 and len(outs[2].token_ids) <= 20
+    for out in outs:  # a sequence only ends early at EOS or right after the tag
+        if out.token_ids and out.token_ids[-1] != tokenizer.eos_token_id:
+            text = tokenizer.decode(out.token_ids)
+            assert len(out.token_ids) in (1, 7, 20) or text.endswith("</code>") or "</code>" in text
