@@ -88,6 +88,15 @@ class RolloutResult:
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
 
+    @classmethod
+    def concatenate(cls, parts: Sequence[RolloutResult]) -> RolloutResult:
+        """Joins the results of consecutive batches."""
+        merged = {}
+        for name in cls.__dataclass_fields__:
+            values = [getattr(part, name) for part in parts]
+            merged[name] = None if any(v is None for v in values) else [x for v in values for x in v]
+        return cls(**merged)
+
 
 @dataclass
 class _Row:

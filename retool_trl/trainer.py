@@ -16,10 +16,10 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .generation import TransformersBackend
+from .inference import sandbox_from_config
 from .metrics import rollout_metrics
 from .rewards import boxed_accuracy
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox import build_sandbox
 
 
 class ReToolTrainer(GRPOTrainer):
@@ -57,22 +57,7 @@ class ReToolTrainer(GRPOTrainer):
     @property
     def sandbox(self):
         if self._sandbox is None:
-            args = self.args
-            if args.sandbox_backend == "remote":
-                self._sandbox = build_sandbox(
-                    "remote",
-                    url=args.sandbox_url,
-                    timeout_s=args.sandbox_timeout_s,
-                    max_concurrency=args.sandbox_max_concurrency,
-                )
-            else:
-                self._sandbox = build_sandbox(
-                    "local",
-                    num_workers=args.sandbox_workers,
-                    timeout_s=args.sandbox_timeout_s,
-                    memory_mb=args.sandbox_memory_mb,
-                    max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
-                )
+            self._sandbox = sandbox_from_config(self.args)
         return self._sandbox
 
     def close_sandbox(self) -> None:

@@ -1,0 +1,90 @@
+"""Generation with the interpreter outside training (evaluation, demos), using the same rollout as the trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import GenerationConfig
+
+from .generation import TransformersBackend
+from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .sandbox import build_sandbox
+
+
+def sandbox_from_config(args):
+    """Builds the sandbox a `ReToolConfig` asks for (`sandbox_backend` and its limits)."""
+    if args.sandbox_backend == "remote":
+        return build_sandbox(
+            "remote", url=args.sandbox_url, timeout_s=args.sandbox_timeout_s, max_concurrency=args.sandbox_max_concurrency
+        )
+    return build_sandbox(
+        "local",
+        num_workers=args.sandbox_workers,
+        timeout_s=args.sandbox_timeout_s,
+        memory_mb=args.sandbox_memory_mb,
+        # The rollout truncates to `max_interpreter_output_chars` on the side the config asks for; keep more here.
+        max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
+    )
+
+
+def generation_config_from(args, tokenizer, eos_token_ids: Sequence[int]) -> GenerationConfig:
+    """The sampling settings of a `GRPOConfig` as a transformers `GenerationConfig` (as TRL builds it)."""
+    kwargs = dict(
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=list(eos_token_ids),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    kwargs.update(args.generation_kwargs or {})
+    return GenerationConfig(**kwargs)
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence, system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of plain-text prompts, or of conversational prompts through the chat template (generation prompt
+    added, `system_prompt` prepended where a conversation has no system message)."""
+    if prompts and isinstance(prompts[0], list):
+        ids = []
+        for messages in prompts:
+            if system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
+            ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)))
+        return ids
+    return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+
+
+def generate_with_interpreter(
+    model, tokenizer, prompts: Sequence, args, sandbox=None, batch_size: int = 64
+) -> RolloutResult:
+    """Samples one completion per prompt with code execution, exactly as `ReToolTrainer` rolls out.
+
+    Args:
+        model: A causal LM (in eval mode is best).
+        tokenizer: Its tokenizer.
+        prompts: Plain strings or conversations (lists of messages); repeat a prompt to sample it several times.
+        args: A `ReToolConfig` (tags, limits, sampling settings, sandbox).
+        sandbox: A sandbox to reuse; by default one is built from `args` and closed afterwards.
+        batch_size: Sequences generated together.
+    """
+    eos_token_ids = [tokenizer.eos_token_id]
+    spec = RolloutSpec.from_config(args, eos_token_ids)
+    backend = TransformersBackend(
+        model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), args.code_end, eos_token_ids
+    )
+    prompt_ids = tokenize_prompts(tokenizer, prompts, args.resolved_system_prompt)
+    own_sandbox = sandbox is None
+    sandbox = sandbox_from_config(args) if own_sandbox else sandbox
+    try:
+        parts = [
+            interleaved_rollout(prompt_ids[i : i + batch_size], backend, sandbox, tokenizer, spec)
+            for i in range(0, len(prompt_ids), batch_size)
+        ]
+    finally:
+        if own_sandbox:
+            sandbox.close()
+    return RolloutResult.concatenate(parts)
