@@ -116,13 +116,14 @@ class ReToolConfig(GRPOConfig):
     def __post_init__(self):
         self._validate_retool_fields()
         super().__post_init__()
+
+    def _validate_retool_fields(self) -> None:
+        # Checked first, so the missing extra is named before anything else is set up or loaded.
         if self.use_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "use_vllm=True but vLLM is not installed: install the extra with `pip install 'retool-trl[vllm]'` "
                 "or set use_vllm=False."
             )
-
-    def _validate_retool_fields(self) -> None:
         tags = {
             "code_start": self.code_start,
             "code_end": self.code_end,

@@ -92,3 +92,93 @@ class TransformersBackend:
             TurnOutput(tokens[: n if n >= 0 else budget])
             for tokens, n, budget in zip(new_tokens, lengths, max_new_tokens, strict=True)
         ]
+
+
+def first_stop(token_ids: Sequence[int], tokenizer, stop_string: str) -> int | None:
+    """Length of the shortest prefix of `token_ids` whose text contains `stop_string`, or `None`.
+
+    Binary search over prefixes (containment only grows with the prefix), so a long turn costs O(log n) decodes.
+    """
+    if stop_string not in tokenizer.decode(token_ids):
+        return None
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stop_string in tokenizer.decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+class VLLMBackend:
+    """Turn generation through TRL's own vLLM helper (`trainer.vllm_generation`, colocate or server mode).
+
+    Each turn continues `prompt + completion so far` as token ids with a stop at the code-end tag (kept in the output),
+    so vLLM's prefix cache serves the earlier turns. Weight sync, sampling settings and importance sampling stay TRL's.
+    Token alignment: we keep whole tokens only. If vLLM returns tokens past the one completing the tag, they are cut
+    here; the text inside that last token does not matter, since the rollout works on token ids.
+
+    Args:
+        vllm_generation: TRL's `VLLMGeneration` (or an object with its `generate` interface and the attributes
+            `max_completion_length` and `generation_kwargs`).
+        tokenizer: The policy tokenizer.
+        code_end: The code-end tag.
+        accelerator: For server mode with several training processes, whose `generate` calls are collective: every
+            process then calls once per turn, with the same number of sequences, until all are done.
+        profiler: Factory of a context manager around each call (TRL's `profiling_context`).
+    """
+
+    def __init__(self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None):
+        self.vllm_generation = vllm_generation
+        self.tokenizer = tokenizer
+        self.code_end = code_end
+        self.accelerator = accelerator
+        self.profiler = profiler
+        self.collective = (
+            accelerator is not None
+            and accelerator.num_processes > 1
+            and getattr(vllm_generation, "mode", "colocate") == "server"
+        )
+
+    def any_active(self, has_active: bool) -> bool:
+        """Whether any process still has sequences to continue (the rollout loops while this holds)."""
+        if not self.collective:
+            return has_active
+        flag = torch.tensor([int(has_active)], device=self.accelerator.device)
+        return bool(self.accelerator.gather(flag).max().item())
+
+    def generate_turn(self, sequences, max_new_tokens, stop_at_code_end) -> list[TurnOutput]:
+        sequences, budgets = [list(s) for s in sequences], list(max_new_tokens)
+        real = len(sequences)
+        if self.collective:  # equal counts on every process: the helper slices the gathered batch evenly
+            counts = self.accelerator.gather(torch.tensor([real], device=self.accelerator.device))
+            filler = [self.tokenizer.eos_token_id]
+            sequences += [filler] * (int(counts.max().item()) - real)
+            budgets += [1] * (len(sequences) - real)
+        if not sequences:
+            return []
+        helper = self.vllm_generation
+        saved = helper.max_completion_length, helper.generation_kwargs
+        kwargs = dict(saved[1] or {})
+        if any(stop_at_code_end):
+            kwargs.update(stop=[self.code_end], include_stop_str_in_output=True)
+        helper.max_completion_length, helper.generation_kwargs = max(budgets), kwargs
+        try:
+            _, completion_ids, logprobs, _ = helper.generate(
+                prompts=sequences,
+                images=None,
+                num_generations=1,
+                profiler=self.profiler() if self.profiler else None,
+            )
+        finally:
+            helper.max_completion_length, helper.generation_kwargs = saved
+        outputs = []
+        for i in range(real):
+            ids = list(completion_ids[i])[: budgets[i]]
+            if stop_at_code_end[i] and (cut := first_stop(ids, self.tokenizer, self.code_end)) is not None:
+                ids = ids[:cut]
+            # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
+            lps = [lp[0] for lp in logprobs[i][: len(ids)]] if logprobs is not None else None
+            outputs.append(TurnOutput(ids, lps))
+        return outputs

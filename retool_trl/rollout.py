@@ -142,7 +142,9 @@ def interleaved_rollout(
     have_logprobs = True
     try:
         active = list(range(len(rows)))
-        while active:
+        # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
+        any_active = getattr(backend, "any_active", bool)
+        while any_active(bool(active)):
             outputs = backend.generate_turn(
                 [rows[i].prompt_ids + rows[i].completion_ids for i in active],
                 [spec.max_completion_length - len(rows[i].completion_ids) for i in active],

@@ -16,7 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from .rollout import TurnOutput
+from .parsing import Tags
+from .rollout import RolloutResult, TurnOutput
 from .sandbox import ExecResult
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
@@ -132,6 +133,42 @@ class ScriptedBackend:
         return outputs
 
 
+class FakeVLLMGeneration:
+    """Stands in for TRL's `VLLMGeneration` helper: same `generate` signature and return value, scripted tokens.
+
+    It honours `generation_kwargs["stop"]` and `max_completion_length` as vLLM does. With `overshoot=True` it returns
+    one token past the token that completes the stop string (which the backend must cut). The sampling logprob of
+    token `t` is `-t / 1000`, so alignment between tokens and logprobs can be checked.
+    """
+
+    mode = "colocate"
+
+    def __init__(self, tokenizer, scripts: Sequence[str], overshoot: bool = False):
+        self.scripted = ScriptedBackend(tokenizer, scripts)
+        self.overshoot = overshoot
+        self.max_completion_length = 10_000
+        self.generation_kwargs: dict = {}
+        self.requests: list[dict] = []
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        assert num_generations == 1 and images is None
+        stops = self.generation_kwargs.get("stop") or []
+        self.requests.append({"n": len(prompts), "stop": list(stops), "max_tokens": self.max_completion_length})
+        scripted = self.scripted
+        outputs = scripted.generate_turn(prompts, [self.max_completion_length] * len(prompts), [bool(stops)] * len(prompts))
+        completion_ids = []
+        for out, seq in zip(outputs, prompts):
+            ids = list(out.token_ids)
+            if self.overshoot and stops and ids and ids[-1] != scripted.tokenizer.eos_token_id:
+                ids.append(ids[-1])  # a token sampled after the stop, which the trainer must not keep
+            completion_ids.append(ids)
+        logprobs = [[[-t / 1000] for t in ids] for ids in completion_ids]
+        return prompts, completion_ids, logprobs, None
+
+
 class FakeSandbox:
     """In-process sandbox with the `retool_trl.sandbox` interface, for fast rollout tests (no isolation at all)."""
 
@@ -182,3 +219,27 @@ def save_tiny_model(path, tokenizer, **kwargs) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def assert_rollout_invariants(result: RolloutResult, tokenizer, scripts: Sequence[str], max_len: int) -> None:
+    """The interpreter-mask contract (DESIGN §3) for a rollout whose policy wrote `scripts`."""
+    tags = Tags()
+    for i, script in enumerate(scripts):
+        ids, mask = result.completion_ids[i], result.interpreter_mask[i]
+        assert len(ids) == len(mask) <= max_len
+        assert set(mask) <= {0, 1}
+        model_ids = [t for t, m in zip(ids, mask) if m]
+        script_ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        # The policy's tokens are exactly the scripted tokens, in order, none dropped, none re-tokenized.
+        assert model_ids == script_ids[: len(model_ids)]
+        if len(ids) < max_len:
+            assert model_ids == script_ids
+            assert tokenizer.decode(model_ids, skip_special_tokens=True) == script
+            assert result.model_text[i] == script
+        if result.logprobs is not None:
+            assert len(result.logprobs[i]) == len(ids)
+        # Environment tokens form complete interpreter blocks (except a block cut by the length budget).
+        env_text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+        if len(ids) < max_len:
+            assert env_text.count(tags.interpreter_start) == env_text.count(tags.interpreter_end)
+            assert env_text.count(tags.interpreter_start) == result.num_tool_calls[i]

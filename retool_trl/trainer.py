@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
+from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
-from .generation import TransformersBackend
+from .generation import TransformersBackend, VLLMBackend
 from .inference import sandbox_from_config
 from .metrics import rollout_metrics
 from .rewards import boxed_accuracy
@@ -80,8 +81,17 @@ class ReToolTrainer(GRPOTrainer):
         return [p if p and p[0]["role"] == "system" else [{"role": "system", "content": system}, *p] for p in prompts]
 
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
-        """Runs the interleaved rollout with the transformers backend (vLLM: see `retool_trl.generation`)."""
+        """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
         spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
+        if self.use_vllm:  # TRL's `_generate` already synced the weights before calling the rollout
+            backend = VLLMBackend(
+                self.vllm_generation,
+                self._tokenizer,
+                self.args.code_end,
+                accelerator=self.accelerator,
+                profiler=lambda: profiling_context(self, "vLLM.generate"),
+            )
+            return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
         with unwrap_model_for_generation(
             self.model_wrapped,
             self.accelerator,
@@ -100,8 +110,6 @@ class ReToolTrainer(GRPOTrainer):
 
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
-        if self.use_vllm:
-            raise NotImplementedError("The vLLM backend of ReToolTrainer is not available in this version.")
         prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
         result = self._generate_rollout([list(ids) for ids in prompt_ids])
 

@@ -4,9 +4,14 @@ import random
 
 import pytest
 
-from retool_trl.parsing import Tags
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.testing import FakeSandbox, ScriptedBackend, make_bpe_tokenizer, make_char_tokenizer
+from retool_trl.testing import (
+    FakeSandbox,
+    ScriptedBackend,
+    assert_rollout_invariants,
+    make_bpe_tokenizer,
+    make_char_tokenizer,
+)
 
 TOKENIZERS = {
     "char": lambda: make_char_tokenizer(extra_chars="é∑数学ö"),
@@ -29,31 +34,10 @@ def run(tokenizer, scripts, max_len=400, sandbox=None, **spec_kwargs):
     return interleaved_rollout(prompts, backend, sandbox, tokenizer, spec), backend, sandbox
 
 
-def check_invariants(result, tokenizer, scripts, max_len):
-    tags = Tags()
-    for i, script in enumerate(scripts):
-        ids, mask = result.completion_ids[i], result.interpreter_mask[i]
-        assert len(ids) == len(mask) <= max_len
-        assert set(mask) <= {0, 1}
-        model_ids = [t for t, m in zip(ids, mask) if m]
-        script_ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        # The policy's tokens are exactly the scripted tokens, in order, none dropped, none re-tokenized.
-        assert model_ids == script_ids[: len(model_ids)]
-        if len(ids) < max_len:
-            assert model_ids == script_ids
-            assert tokenizer.decode(model_ids, skip_special_tokens=True) == script
-            assert result.model_text[i] == script
-        # Environment tokens form complete interpreter blocks (except a block cut by the length budget).
-        env_text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
-        if len(ids) < max_len:
-            assert env_text.count(tags.interpreter_start) == env_text.count(tags.interpreter_end)
-            assert env_text.count(tags.interpreter_start) == result.num_tool_calls[i]
-
-
 def test_two_calls_are_stateful_and_masked(tokenizer):
     script = "Compute.<code>x = 6 * 7\nprint(x)</code>\nAgain <code>print(x + 1)</code> so \\boxed{43}."
     result, _, _ = run(tokenizer, [script])
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     assert result.num_tool_calls == [2] and result.num_tool_errors == [0]
     ids, mask = result.completion_ids[0], result.interpreter_mask[0]
     env = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
@@ -65,7 +49,7 @@ def test_two_calls_are_stateful_and_masked(tokenizer):
 def test_fenced_code_unicode_and_empty_output(tokenizer):
     script = "A<code>```python\nprint('∑ 数学 é')\n```</code>B<code>y = 1</code>C \\boxed{1}"
     result, _, _ = run(tokenizer, [script])
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     env = tokenizer.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
     assert "<interpreter>∑ 数学 é\n</interpreter>" in env and "<interpreter></interpreter>" in env
     assert result.num_tool_calls == [2]
@@ -74,7 +58,7 @@ def test_fenced_code_unicode_and_empty_output(tokenizer):
 def test_long_output_is_truncated_in_the_middle(tokenizer):
     script = "<code>print('a' * 3000 + 'END')</code>done"
     result, _, _ = run(tokenizer, [script], max_len=2000, max_interpreter_output_chars=64)
-    check_invariants(result, tokenizer, [script], 2000)
+    assert_rollout_invariants(result, tokenizer, [script], 2000)
     env = tokenizer.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
     body = env[len("<interpreter>") : -len("</interpreter>")]
     assert len(body) <= 64 and body.startswith("aaa") and body.rstrip().endswith("END")
@@ -83,7 +67,7 @@ def test_long_output_is_truncated_in_the_middle(tokenizer):
 def test_code_end_without_code_start_is_text(tokenizer):
     script = "oops</code> and then \\boxed{2}"
     result, backend, sandbox = run(tokenizer, [script])
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     assert result.num_tool_calls == [0] and sandbox.batches == []
     assert set(result.interpreter_mask[0]) == {1}
 
@@ -91,7 +75,7 @@ def test_code_end_without_code_start_is_text(tokenizer):
 def test_max_tool_calls_stops_execution_and_stopping(tokenizer):
     script = "<code>print(1)</code>a<code>print(2)</code>b<code>print(3)</code>c"
     result, backend, _ = run(tokenizer, [script], max_tool_calls=2)
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     assert result.num_tool_calls == [2]
     # Third block: no stop, no execution; the rest of the script came in the same turn.
     assert len(backend.calls) == 3
@@ -111,7 +95,7 @@ def test_truncated_inside_code(tokenizer):
     script_len = len(tokenizer(script, add_special_tokens=False)["input_ids"])
     max_len = script_len // 2
     result, _, sandbox = run(tokenizer, [script], max_len=max_len)
-    check_invariants(result, tokenizer, [script], max_len)
+    assert_rollout_invariants(result, tokenizer, [script], max_len)
     assert len(result.completion_ids[0]) == max_len and result.num_tool_calls == [0]
     assert set(result.interpreter_mask[0]) == {1} and sandbox.batches == []
 
@@ -121,7 +105,7 @@ def test_truncated_inside_interpreter_output(tokenizer):
     code_len = len(tokenizer("<code>print('z' * 200)</code>", add_special_tokens=False)["input_ids"])
     max_len = code_len + 10
     result, _, _ = run(tokenizer, [script], max_len=max_len)
-    check_invariants(result, tokenizer, [script], max_len)
+    assert_rollout_invariants(result, tokenizer, [script], max_len)
     ids, mask = result.completion_ids[0], result.interpreter_mask[0]
     assert len(ids) == max_len and mask[-1] == 0 and result.num_tool_calls == [1]
     assert tokenizer.eos_token_id not in ids
@@ -130,7 +114,7 @@ def test_truncated_inside_interpreter_output(tokenizer):
 def test_errors_are_reported_and_counted(tokenizer):
     script = "<code>1/0</code>x<code>print(undefined_name)</code>y"
     result, _, _ = run(tokenizer, [script])
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     assert result.num_tool_calls == [2] and result.num_tool_errors == [2]
     env = tokenizer.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
     assert "ZeroDivisionError" in env and "NameError" in env
@@ -140,7 +124,7 @@ def test_batch_executes_concurrently_and_resumes_only_callers():
     tokenizer = make_char_tokenizer()
     scripts = ["<code>print(1)</code>a", "no code b", "<code>print(2)</code>c", "plain \\boxed{3}"]
     result, backend, sandbox = run(tokenizer, scripts)
-    check_invariants(result, tokenizer, scripts, 400)
+    assert_rollout_invariants(result, tokenizer, scripts, 400)
     assert sandbox.batches == [2]  # both pending snippets of the batch in one run_many call
     assert backend.calls == [4, 2]  # only the two sequences that called code are continued
     assert result.num_tool_calls == [1, 0, 1, 0]
@@ -156,7 +140,7 @@ def test_sandbox_failure_does_not_stop_the_rollout():
     tokenizer = make_char_tokenizer()
     script = "<code>print(1)</code>then \\boxed{1}"
     result, _, _ = run(tokenizer, [script], sandbox=BrokenSandbox())
-    check_invariants(result, tokenizer, [script], 400)
+    assert_rollout_invariants(result, tokenizer, [script], 400)
     assert result.num_infra_errors == [1] and result.num_tool_errors == [1]
     assert "SandboxError" in tokenizer.decode(result.completion_ids[0])
 
@@ -176,4 +160,4 @@ def test_random_scripts_keep_invariants(tokenizer, seed):
     else:
         max_len = rng.randint(5, 300)
     result, _, _ = run(tokenizer, scripts, max_len=max_len, max_tool_calls=rng.randint(0, 3))
-    check_invariants(result, tokenizer, scripts, max_len)
+    assert_rollout_invariants(result, tokenizer, scripts, max_len)

@@ -1,0 +1,108 @@
+"""The vLLM turn backend, driven by a fake with the interface of TRL's vLLM helper (no vLLM needed)."""
+
+import importlib.util
+
+import pytest
+import torch
+from datasets import Dataset
+
+from retool_trl import ReToolConfig
+from retool_trl.generation import VLLMBackend, first_stop
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.testing import (
+    FakeSandbox,
+    FakeVLLMGeneration,
+    assert_rollout_invariants,
+    make_bpe_tokenizer,
+    make_char_tokenizer,
+)
+
+SCRIPTS = [
+    "A<code>x = 5\nprint(x * 2)</code>B<code>print(x)</code>C \\boxed{5}",
+    "plain \\boxed{1}",
+    "D<code>print('∑')</code>E",
+]
+
+
+@pytest.fixture(scope="module", params=["char", "bpe"])
+def tokenizer(request):
+    return make_char_tokenizer(extra_chars="∑") if request.param == "char" else make_bpe_tokenizer(vocab_size=400)
+
+
+def rollout(tokenizer, overshoot=False, max_len=300, **spec):
+    fake = FakeVLLMGeneration(tokenizer, SCRIPTS, overshoot=overshoot)
+    backend = VLLMBackend(fake, tokenizer, "</code>")
+    prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"] for _ in SCRIPTS]
+    spec = RolloutSpec(max_completion_length=max_len, eos_token_ids=[tokenizer.eos_token_id], **spec)
+    return interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec), fake
+
+
+@pytest.mark.parametrize("overshoot", [False, True])
+def test_masks_lengths_and_logprob_alignment(tokenizer, overshoot):
+    result, fake = rollout(tokenizer, overshoot=overshoot)
+    assert_rollout_invariants(result, tokenizer, SCRIPTS, 300)
+    assert result.num_tool_calls == [2, 0, 1]
+    for ids, mask, logprobs in zip(result.completion_ids, result.interpreter_mask, result.logprobs):
+        for token, m, lp in zip(ids, mask, logprobs):
+            # Sampled tokens carry their own sampling logprob; interpreter tokens a placeholder (masked anyway).
+            assert lp == (-token / 1000 if m else 0.0)
+
+
+def test_continuations_and_limits(tokenizer):
+    result, fake = rollout(tokenizer, max_tool_calls=1)
+    assert result.num_tool_calls == [1, 0, 1]
+    # Turn 1: all three sequences; turn 2: the two that called code, which have no calls left: no stop string.
+    assert [r["n"] for r in fake.requests] == [3, 2]
+    assert [r["stop"] for r in fake.requests] == [["</code>"], []]
+    # Budgets: each continuation asks for at most what is left of max_completion_length.
+    assert fake.requests[0]["max_tokens"] == 300 and fake.requests[1]["max_tokens"] < 300
+    assert fake.generation_kwargs == {} and fake.max_completion_length == 10_000  # restored
+
+
+def test_length_budget_counts_interpreter_tokens(tokenizer):
+    result, _ = rollout(tokenizer, max_len=12)
+    assert all(len(ids) <= 12 for ids in result.completion_ids)
+    assert_rollout_invariants(result, tokenizer, SCRIPTS, 12)
+
+
+def test_first_stop_finds_the_token_completing_the_tag():
+    tokenizer = make_char_tokenizer()
+    ids = tokenizer("ab</code>cd", add_special_tokens=False)["input_ids"]
+    assert first_stop(ids, tokenizer, "</code>") == 3
+    assert first_stop(ids[:2], tokenizer, "</code>") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_config_names_the_extra_when_vllm_is_missing(tmp_path):
+    with pytest.raises(ValueError, match=r"retool-trl\[vllm\]"):
+        ReToolConfig(output_dir=str(tmp_path), use_vllm=True, report_to="none")
+
+
+def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
+    from retool_trl import ReToolTrainer
+    from retool_trl.testing import save_tiny_model
+
+    tokenizer = make_char_tokenizer(extra_chars="∑")
+    args = ReToolConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,
+                        max_completion_length=64, report_to="none", bf16=False, use_cpu=True)
+    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", tokenizer), reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
+                            args=args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
+                            processing_class=tokenizer, sandbox=FakeSandbox())
+    # Turn vLLM on after construction (vLLM is not installed here): TRL's own `_generate` path is then taken.
+    trainer.use_vllm, trainer.vllm_generation = True, FakeVLLMGeneration(tokenizer, SCRIPTS)
+    trainer._last_loaded_step = 0
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = "token_truncate"  # per-token ratios, to look at each position
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._generate_and_score_completions([{"prompt": "Q:"}] * 3)
+    assert inputs["tool_mask"].shape == inputs["completion_ids"].shape
+    assert (inputs["tool_mask"] == 0).any()
+    tool_mask, ids = inputs["tool_mask"].bool(), inputs["completion_ids"]
+    real = inputs["completion_mask"].bool()
+    sampling = inputs["sampling_per_token_logps"]
+    # vLLM's sampling logprobs line up with the tokens TRL scores...
+    assert torch.allclose(sampling[tool_mask & real], -ids[tool_mask & real].float() / 1000)
+    # ...and interpreter tokens never enter the importance-sampling correction (ratio exactly 1).
+    ratio = inputs["importance_sampling_ratio"]
+    assert ratio.shape == ids.shape and torch.all(ratio[~tool_mask & real] == 1.0)
