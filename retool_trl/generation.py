@@ -46,10 +46,15 @@ class TransformersBackend:
         generation_config: Sampling settings, e.g. TRL's `trainer.generation_config`.
         code_end: The code-end tag.
         eos_token_ids: Token ids that end a completion.
+        logits_processor (*optional*): Extra `LogitsProcessorList` for `generate` (constrained decoding, tests), or
+            a callable returning a fresh one for each turn (for stateful processors).
     """
 
-    def __init__(self, model, tokenizer, generation_config: GenerationConfig, code_end: str, eos_token_ids):
+    def __init__(
+        self, model, tokenizer, generation_config: GenerationConfig, code_end: str, eos_token_ids, logits_processor=None
+    ):
         self.model = model
+        self.logits_processor = logits_processor
         self.tokenizer = tokenizer
         self.generation_config = copy.deepcopy(generation_config)
         self.eos_token_ids = list(eos_token_ids)
@@ -85,6 +90,7 @@ class TransformersBackend:
             attention_mask=attention_mask,
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([stopper]),
+            logits_processor=self.logits_processor() if callable(self.logits_processor) else self.logits_processor,
         )
         new_tokens = output[:, width:].tolist()
         lengths = stopper.stop_len.tolist()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LogitsProcessor, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from .parsing import Tags
 from .rollout import RolloutResult, TurnOutput
@@ -131,6 +131,52 @@ class ScriptedBackend:
             self.last_sequence[j] = [*seq, *emitted]
             outputs.append(TurnOutput(emitted, [-0.5] * len(emitted)))
         return outputs
+
+
+class ScriptForcingProcessor(LogitsProcessor):
+    """Makes a real model emit scripted turns through `generate` (every forward pass still runs).
+
+    `turns[key]` lists the token ids of each turn of the sequence whose non-padding ids start with `key` (its
+    prompt; all keys have the same length). The turn index is the number of code-end tags already in the sequence,
+    so the same turns serve every turn of an interleaved rollout; after a turn's last token it forces EOS. Use a new
+    processor for each `generate` call (it remembers where the call started).
+    """
+
+    def __init__(self, turns: dict, tokenizer, code_end: str = "</code>"):
+        self.turns, self.tokenizer, self.code_end = turns, tokenizer, code_end
+        self.key_len = len(next(iter(turns)))
+        self.start_width, self.plan = None, None
+
+    def __call__(self, input_ids, scores):
+        if self.start_width is None:
+            # First step of a new `generate` call: find each row's script and turn.
+            self.start_width, self.plan = input_ids.shape[1], []
+            pad = self.tokenizer.pad_token_id
+            for row in input_ids.tolist():
+                start = next((i for i, t in enumerate(row) if t != pad), len(row))
+                key = tuple(row[start : start + self.key_len])
+                turn = self.tokenizer.decode(row[start + self.key_len :]).count(self.code_end)
+                self.plan.append(self.turns[key][turn])
+        step = input_ids.shape[1] - self.start_width
+        eos = self.tokenizer.eos_token_id
+        forced = torch.tensor([turn[step] if step < len(turn) else eos for turn in self.plan], device=scores.device)
+        # Replace the scores outright: any later warper (top-k, top-p) then still keeps exactly the forced token.
+        forced_scores = torch.full_like(scores, float("-inf"))
+        forced_scores[torch.arange(len(forced), device=scores.device), forced] = 0.0
+        return forced_scores
+
+
+def script_turns(tokenizer, script: str, code_end: str = "</code>") -> list[list[int]]:
+    """The script's token ids (tokenized as a whole) split into turns after each token that completes a code-end
+    tag, as a model writing this text would be stopped; the last turn runs to the end."""
+    ids = tokenizer(script, add_special_tokens=False)["input_ids"]
+    turns, start, seen = [], 0, 0
+    for i in range(1, len(ids) + 1):
+        count = tokenizer.decode(ids[:i]).count(code_end)
+        if count > seen:
+            turns.append(ids[start:i])
+            start, seen = i, count
+    return [*turns, ids[start:]]
 
 
 class FakeVLLMGeneration:

@@ -44,3 +44,30 @@ def test_backend_respects_per_sequence_budgets():
         if out.token_ids and out.token_ids[-1] != tokenizer.eos_token_id:
             text = tokenizer.decode(out.token_ids)
             assert len(out.token_ids) in (1, 7, 20) or text.endswith("</code>") or "</code>" in text
+
+
+def test_real_generate_rollout_with_forced_scripts():
+    """The full transformers path (real forward passes, HF stopping criteria) on scripted outputs."""
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from retool_trl.testing import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
+    from transformers import LogitsProcessorList
+
+    tokenizer = make_bpe_tokenizer(vocab_size=400)  # tags inside longer tokens
+    scripts = ["Compute.<code>x = 6 * 7\nprint(x)</code>\nSo \\boxed{42}.", "The answer is \\boxed{7}."]
+    prompts = [tokenizer("Q1:", add_special_tokens=False)["input_ids"], tokenizer("Q2:", add_special_tokens=False)["input_ids"]]
+    assert len(prompts[0]) == len(prompts[1])
+    turns = {tuple(p): script_turns(tokenizer, s) for p, s in zip(prompts, scripts)}
+    model = make_tiny_qwen2(tokenizer).eval()
+    config = GenerationConfig(do_sample=True, max_new_tokens=200, eos_token_id=[tokenizer.eos_token_id],
+                              pad_token_id=tokenizer.pad_token_id)
+    backend = TransformersBackend(model, tokenizer, config, "</code>", [tokenizer.eos_token_id],
+                                  logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer)]))
+    spec = RolloutSpec(max_completion_length=200, eos_token_ids=[tokenizer.eos_token_id])
+    result = interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec)
+    assert result.num_tool_calls == [1, 0]
+    env = tokenizer.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
+    assert env == "<interpreter>42\n</interpreter>"
+    # The first turn's last token holds the tag plus what follows it in the same token.
+    first_turn = script_turns(tokenizer, scripts[0])[0]
+    assert result.completion_ids[0][: len(first_turn)] == first_turn
+    assert_rollout_invariants(result, tokenizer, scripts, 200)
