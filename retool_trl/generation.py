@@ -38,7 +38,12 @@ class _TurnStopper(StoppingCriteria):
 
 
 class TransformersBackend:
-    """Turn generation with `model.generate` (CPU or GPU).
+    """Turn generation with `model.generate` (CPU or GPU), reusing the KV cache across turns.
+
+    A turn continues the previous turn's batch: rows that are done are dropped from the cache, the interpreter tokens
+    of the others are appended after a run of masked padding (so every row stays aligned with the cache), and only
+    the new tokens are prefilled. Position ids follow the attention mask, so the holes change nothing for the model.
+    Sequences that do not continue the previous turn (a new rollout) start a fresh batch.
 
     Args:
         model: The (unwrapped) causal LM.
@@ -48,32 +53,82 @@ class TransformersBackend:
         eos_token_ids: Token ids that end a completion.
         logits_processor (*optional*): Extra `LogitsProcessorList` for `generate` (constrained decoding, tests), or
             a callable returning a fresh one for each turn (for stateful processors).
+        reuse_cache (`bool`, defaults to `True`): Keep the KV cache between turns instead of prefilling again.
     """
 
     def __init__(
-        self, model, tokenizer, generation_config: GenerationConfig, code_end: str, eos_token_ids, logits_processor=None
+        self,
+        model,
+        tokenizer,
+        generation_config: GenerationConfig,
+        code_end: str,
+        eos_token_ids,
+        logits_processor=None,
+        reuse_cache: bool = True,
     ):
         self.model = model
         self.logits_processor = logits_processor
+        self.reuse_cache = reuse_cache
         self.tokenizer = tokenizer
         self.generation_config = copy.deepcopy(generation_config)
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         # Built once: transformers precomputes vocabulary tables for the stop string.
         self.code_end_criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=[code_end])
+        self.finish()
+
+    def finish(self) -> None:
+        """Drops the state kept between turns (called by the rollout when it ends, to free the cache)."""
+        self._cache, self._ids, self._mask, self._sequences = None, None, None, None
+
+    def _continued_rows(self, sequences) -> list[int] | None:
+        """Indices of the previous turn's rows that `sequences` continue, in order; `None` if they do not."""
+        if self._cache is None:
+            return None
+        rows, j = [], 0
+        for seq in sequences:
+            while j < len(self._sequences) and list(seq[: len(self._sequences[j])]) != self._sequences[j]:
+                j += 1
+            if j == len(self._sequences):
+                return None
+            rows.append(j)
+            j += 1
+        return rows
+
+    def _batch(self, sequences, device):
+        """Input ids and attention mask: a fresh left-padded batch, or the previous batch plus the new tokens."""
+        rows = self._continued_rows(sequences) if self.reuse_cache else None
+        if rows is None:
+            self.finish()
+            width = max(len(s) for s in sequences)
+            ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(sequences), width), dtype=torch.long)
+            for i, seq in enumerate(sequences):  # left padding, as decoder-only generation expects
+                ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+                mask[i, width - len(seq) :] = 1
+            return ids.to(device), mask.to(device), None
+        index = torch.tensor(rows, device=device)
+        suffixes = [seq[len(self._sequences[j]) :] for seq, j in zip(sequences, rows)]
+        extra = max(len(s) for s in suffixes)
+        ids = torch.full((len(sequences), extra), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), extra), dtype=torch.long)
+        for i, suffix in enumerate(suffixes):  # right-aligned: the padding hole sits before the new tokens
+            if suffix:
+                ids[i, extra - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+                mask[i, extra - len(suffix) :] = 1
+        cache = self._cache
+        cache.batch_select_indices(index)
+        ids = torch.cat([self._ids[index], ids.to(device)], dim=1)
+        mask = torch.cat([self._mask[index], mask.to(device)], dim=1)
+        return ids, mask, cache
 
     @torch.no_grad()
     def generate_turn(
         self, sequences: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop_at_code_end: Sequence[bool]
     ) -> list[TurnOutput]:
         device = self.model.device
-        width = max(len(s) for s in sequences)
-        input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, seq in enumerate(sequences):  # left padding, as decoder-only generation expects
-            input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[i, width - len(seq) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids, attention_mask, cache = self._batch(sequences, device)
+        width = input_ids.shape[1]
         stopper = _TurnStopper(
             self.code_end_criterion if any(stop_at_code_end) else None,
             width,
@@ -85,19 +140,32 @@ class TransformersBackend:
         config = copy.copy(self.generation_config)
         config.max_new_tokens = max(max_new_tokens)
         config.pad_token_id = self.pad_token_id
+        config.use_cache, config.return_dict_in_generate = True, True
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            past_key_values=cache,
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([stopper]),
             logits_processor=self.logits_processor() if callable(self.logits_processor) else self.logits_processor,
         )
-        new_tokens = output[:, width:].tolist()
-        lengths = stopper.stop_len.tolist()
-        return [
-            TurnOutput(tokens[: n if n >= 0 else budget])
-            for tokens, n, budget in zip(new_tokens, lengths, max_new_tokens, strict=True)
-        ]
+        lengths = [n if n >= 0 else budget for n, budget in zip(stopper.stop_len.tolist(), max_new_tokens)]
+        new_tokens = [tokens[:n] for tokens, n in zip(output.sequences[:, width:].tolist(), lengths, strict=True)]
+        if self.reuse_cache:
+            self._keep(sequences, output, attention_mask, lengths, new_tokens)
+        return [TurnOutput(tokens) for tokens in new_tokens]
+
+    def _keep(self, sequences, output, attention_mask, lengths, new_tokens) -> None:
+        cache, ids = output.past_key_values, output.sequences
+        # generate never feeds its last sampled token; if a transformers version did, positions would shift.
+        if cache is None or cache.get_seq_length() != ids.shape[1] - 1:
+            self.finish()
+            return
+        steps = ids.shape[1] - attention_mask.shape[1]
+        generated = torch.arange(steps, device=ids.device).unsqueeze(0) < torch.tensor(lengths, device=ids.device)[:, None]
+        self._cache, self._ids = cache, ids
+        self._mask = torch.cat([attention_mask, generated.long()], dim=1)  # tokens after a row's stop are padding
+        self._sequences = [[*seq, *new] for seq, new in zip(sequences, new_tokens)]
 
 
 def first_stop(token_ids: Sequence[int], tokenizer, stop_string: str) -> int | None:

@@ -167,6 +167,8 @@ def interleaved_rollout(
             _execute(rows, pending, sandbox, tokenizer, spec, exec_seconds)
             active = [i for i in active if not rows[i].done]
     finally:
+        if hasattr(backend, "finish"):  # let the backend free what it kept between turns (e.g. a KV cache)
+            backend.finish()
         for row in rows:
             if row.session is not None:
                 row.session.close()

@@ -138,7 +138,8 @@ class ScriptForcingProcessor(LogitsProcessor):
 
     `turns[key]` lists the token ids of each turn of the sequence whose non-padding ids start with `key` (its
     prompt; all keys have the same length). The turn index is the number of code-end tags already in the sequence,
-    so the same turns serve every turn of an interleaved rollout; after a turn's last token it forces EOS. Use a new
+    so the same turns serve every turn of an interleaved rollout; after a turn's last token it forces EOS; a `None`
+    turn is left to the model (for all rows of that call: script every row's turns alike). Use a new
     processor for each `generate` call (it remembers where the call started).
     """
 
@@ -158,6 +159,8 @@ class ScriptForcingProcessor(LogitsProcessor):
                 turn = self.tokenizer.decode(row[start + self.key_len :]).count(self.code_end)
                 self.plan.append(self.turns[key][turn])
         step = input_ids.shape[1] - self.start_width
+        if all(turn is None for turn in self.plan):  # an unscripted turn: the model decides
+            return scores
         eos = self.tokenizer.eos_token_id
         forced = torch.tensor([turn[step] if step < len(turn) else eos for turn in self.plan], device=scores.device)
         # Replace the scores outright: any later warper (top-k, top-p) then still keeps exactly the forced token.

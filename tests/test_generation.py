@@ -71,3 +71,45 @@ def test_real_generate_rollout_with_forced_scripts():
     first_turn = script_turns(tokenizer, scripts[0])[0]
     assert result.completion_ids[0][: len(first_turn)] == first_turn
     assert_rollout_invariants(result, tokenizer, scripts, 200)
+
+
+def test_kv_cache_reuse_across_turns_matches_fresh_prefill():
+    """Continuing from the kept cache (finished rows dropped, interpreter tokens of different lengths spliced in
+    after a masked hole) must score every later token exactly as prefilling the whole sequence again does."""
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from retool_trl.testing import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Recorder(LogitsProcessor):
+        def __init__(self, log):
+            self.log = log
+
+        def __call__(self, input_ids, scores):
+            self.log.append(scores.clone())
+            return scores
+
+    tokenizer = make_char_tokenizer()
+    scripts = ["<code>print(7)</code>", "<code>print('x' * 23)</code>", "no code at all", "<code>print(12345)</code>"]
+    prompts = [tokenizer(f"P{i}:", add_special_tokens=False)["input_ids"] for i in range(len(scripts))]
+    # First turn scripted (so that three rows call code), the next one left to the model.
+    turns = {tuple(p): [*script_turns(tokenizer, s)[:1], None] for p, s in zip(prompts, scripts)}
+    model = make_tiny_qwen2(tokenizer, seed=3).double().eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=60, eos_token_id=[tokenizer.eos_token_id],
+                              pad_token_id=tokenizer.pad_token_id)
+    results, logs = [], []
+    for reuse in (True, False):
+        log = []
+        backend = TransformersBackend(
+            model, tokenizer, config, "</code>", [tokenizer.eos_token_id], reuse_cache=reuse,
+            logits_processor=lambda log=log: LogitsProcessorList([Recorder(log), ScriptForcingProcessor(turns, tokenizer)]),
+        )
+        spec = RolloutSpec(max_completion_length=60, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=1)
+        results.append(interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec))
+        logs.append(log)
+        assert backend._cache is None  # released at the end of the rollout
+    reused, fresh = results
+    assert reused.num_tool_calls == [1, 1, 0, 1]
+    assert reused.completion_ids == fresh.completion_ids
+    assert len(logs[0]) == len(logs[1]) > 20
+    for a, b in zip(logs[0], logs[1]):  # every step of both turns, the model's own scores
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
