@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Benchmark of the local sandbox against a subprocess-per-call baseline, measured side by side in one run.
+
+Workload like a rollout: every session makes a first call (its process is forked then) and two follow-up calls that use
+the state of the first. Limits and isolation stay on (bubblewrap when it works, per-session uid, rlimits, no network).
+
+    python scripts/bench_sandbox.py [--sessions 64] [--json]
+
+Latency: one call at a time (what a single completion waits for). Throughput: `run_many` over all sessions, round by
+round (what a batched rollout sees). Baseline: `python -I -S -c SNIPPET` per call, sequential for latency and
+`num_workers` at a time for throughput. With `--json` the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from retool_trl.sandbox import LocalSandbox  # noqa: E402
+from retool_trl.sandbox.local import DEFAULT_PRELOAD  # noqa: E402
+
+FIRST = "x = 6 * 7\nprint(x)"
+FOLLOW_UPS = ("y = x + 1\nprint(y)", "print(x * y)")
+BASELINE_SNIPPET = "x = 6 * 7\nprint(x)"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def bench_pool(sandbox: LocalSandbox, sessions: int) -> dict:
+    # Warm-up: the zygote start (bubblewrap, imports) is paid once per trainer, not per call.
+    warm = sandbox.session()
+    warm.run("pass")
+    warm.close()
+
+    first, follow = [], []
+    for _ in range(sessions):
+        s = sandbox.session()
+        for code, bucket in ((FIRST, first), *((c, follow) for c in FOLLOW_UPS)):
+            t = time.perf_counter()
+            r = s.run(code)
+            bucket.append(time.perf_counter() - t)
+            assert r.ok, r.output
+        s.close()
+
+    pool = [sandbox.session() for _ in range(sessions)]
+    t = time.perf_counter()
+    for code in (FIRST, *FOLLOW_UPS):
+        results = sandbox.run_many([(s, code) for s in pool])
+        assert all(r.ok for r in results), [r.output for r in results if not r.ok][:3]
+    elapsed = time.perf_counter() - t
+    for s in pool:
+        s.close()
+    return {"first": first, "follow": follow, "throughput": 3 * sessions / elapsed}
+
+
+def bench_baseline(calls: int, workers: int) -> dict:
+    argv = [sys.executable, "-I", "-S", "-c", BASELINE_SNIPPET]
+    latencies = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        subprocess.run(argv, capture_output=True, check=True, timeout=30)
+        latencies.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(lambda _: subprocess.run(argv, capture_output=True, check=True, timeout=30), range(calls)))
+    return {"latencies": latencies, "throughput": calls / (time.perf_counter() - t)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
+    parser.add_argument("--baseline-calls", type=int, default=60)
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--preload", default="default",
+                        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
+    parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    args = parser.parse_args()
+
+    workers = args.workers or os.cpu_count() or 1
+    preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
+    with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload) as sandbox:
+        start = time.perf_counter()
+        sandbox.session().run("pass")
+        startup_s = time.perf_counter() - start
+        pool = bench_pool(sandbox, args.sessions)
+        isolation = sandbox.isolation_used
+    base = bench_baseline(args.baseline_calls, workers)
+
+    all_calls = pool["first"] + pool["follow"]
+    ms = 1000.0
+    row = {
+        "p50_ms": percentile(all_calls, 0.5) * ms,
+        "p99_ms": percentile(all_calls, 0.99) * ms,
+        "first_call_p50_ms": percentile(pool["first"], 0.5) * ms,
+        "first_call_p99_ms": percentile(pool["first"], 0.99) * ms,
+        "followup_p50_ms": percentile(pool["follow"], 0.5) * ms,
+        "followup_p99_ms": percentile(pool["follow"], 0.99) * ms,
+        "baseline_p50_ms": percentile(base["latencies"], 0.5) * ms,
+        "baseline_p99_ms": percentile(base["latencies"], 0.99) * ms,
+        "throughput_per_s": pool["throughput"],
+        "baseline_throughput_per_s": base["throughput"],
+    }
+    row["speedup_p50"] = row["baseline_p50_ms"] / row["p50_ms"]
+    row["speedup_p99"] = row["baseline_p99_ms"] / row["p99_ms"]
+    row["throughput_ratio"] = row["throughput_per_s"] / row["baseline_throughput_per_s"]
+    row.update(sessions=args.sessions, workers=workers, isolation=isolation, startup_s=startup_s,
+               cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
+
+    print(f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
+          f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'':28s}{'p50 ms':>10s}{'p99 ms':>10s}{'snippets/s':>12s}")
+    print(f"{'pool, first calls':28s}{row['first_call_p50_ms']:10.2f}{row['first_call_p99_ms']:10.2f}{'':>12s}")
+    print(f"{'pool, follow-up calls':28s}{row['followup_p50_ms']:10.2f}{row['followup_p99_ms']:10.2f}{'':>12s}")
+    print(f"{'pool, all calls':28s}{row['p50_ms']:10.2f}{row['p99_ms']:10.2f}{row['throughput_per_s']:12.0f}")
+    print(f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
+          f"{row['baseline_throughput_per_s']:12.0f}")
+    print(f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
+          f"{row['throughput_ratio']:11.1f}x")
+    targets = [
+        ("p50 >= 20x lower than baseline", row["speedup_p50"] >= 20),
+        ("p99 <= 20 ms", row["p99_ms"] <= 20),
+        (">= 500 snippets/s", row["throughput_per_s"] >= 500),
+    ]
+    print("targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets))
+    if args.json:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+
+
+if __name__ == "__main__":
+    main()
