@@ -113,6 +113,37 @@ class ReToolConfig(GRPOConfig):
         default=-1.0, metadata={"help": "Reward of a wrong or missing final \\boxed{} answer."}
     )
 
+    # Stability options (off by default = the ReTool paper's behaviour, except `drop_infra_failures`).
+    filter_void_turns: bool = field(
+        default=False,
+        metadata={
+            "help": "SimpleTIR: drop from the loss every completion with a 'void' turn (a finished turn with neither "
+            "a complete code block nor a \\boxed{} answer)."
+        },
+    )
+    roc_oversample: int = field(
+        default=1,
+        metadata={
+            "help": "rStar2-Agent's GRPO-RoC: sample this many times num_generations per prompt, then keep "
+            "num_generations: correct ones with the fewest tool errors / format problems, wrong ones at random, in "
+            "the sampled proportion. 1 disables it. Needs whole groups on each process and an `answer` column."
+        },
+    )
+    tool_use_bonus: float = field(
+        default=0.0,
+        metadata={
+            "help": "Reward shaping (verl/slime ReTool recipes): a wrong answer that called code gets this much more "
+            "than a wrong answer that did not (adds `retool_trl.rewards.tool_use_shaping`). 0 disables it."
+        },
+    )
+    drop_infra_failures: bool = field(
+        default=True,
+        metadata={
+            "help": "A sandbox failure that is not the snippet's fault (worker lost, service down) is retried once; "
+            "if it fails again, drop that completion from the loss and leave it unscored instead of scoring it -1."
+        },
+    )
+
     def __post_init__(self):
         self._validate_retool_fields()
         super().__post_init__()
@@ -163,6 +194,13 @@ class ReToolConfig(GRPOConfig):
             raise ValueError(
                 f"ReToolConfig.correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
                 f"({self.incorrect_reward})."
+            )
+        if self.roc_oversample < 1:
+            raise ValueError(f"ReToolConfig.roc_oversample must be >= 1, got {self.roc_oversample}.")
+        if not 0.0 <= self.tool_use_bonus < (self.correct_reward - self.incorrect_reward) / 2:
+            raise ValueError(
+                f"ReToolConfig.tool_use_bonus must be in [0, (correct_reward - incorrect_reward) / 2), got "
+                f"{self.tool_use_bonus}: a wrong answer must never score close to a right one."
             )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(

@@ -31,6 +31,11 @@ def _scalar(value, default):
     return value
 
 
+def _tags(kwargs) -> Tags:
+    # The trainer passes its configured tags to every reward function; defaults otherwise.
+    return Tags(**{k: _scalar(kwargs[k], None) for k in Tags.__dataclass_fields__ if kwargs.get(k) is not None})
+
+
 def is_equivalent(prediction: str | None, gold: str) -> bool:
     """Whether `prediction` (contents of a `\\boxed{}`) equals `gold` according to math-verify."""
     if prediction is None or gold is None:
@@ -57,6 +62,7 @@ def boxed_accuracy(
     answer: Sequence[str],
     model_text: Sequence[str] | None = None,
     num_tool_calls: Sequence[int] | None = None,
+    infra_failed: Sequence[bool] | None = None,
     correct_reward: float | Sequence[float] | None = None,
     incorrect_reward: float | Sequence[float] | None = None,
     log_metric=None,
@@ -74,9 +80,11 @@ def boxed_accuracy(
         model_text: Text written by the policy (from the rollout); if absent it is recovered from `completions`.
         num_tool_calls: Executions per completion (from the rollout), used to log accuracy with vs without code.
         correct_reward, incorrect_reward: Reward values (the trainer passes `ReToolConfig`'s).
+        infra_failed: Per completion, whether a sandbox failure (not the model's fault) survived a retry; such
+            completions get `None` (unscored: TRL gives them zero advantage) instead of `incorrect_reward`.
         log_metric: TRL's metric logger, passed by the trainer.
     """
-    tags = Tags(**{k: _scalar(kwargs[k], None) for k in Tags.__dataclass_fields__ if kwargs.get(k) is not None})
+    tags = _tags(kwargs)
     good = float(_scalar(correct_reward, 1.0))
     bad = float(_scalar(incorrect_reward, -1.0))
     correct = []
@@ -90,4 +98,34 @@ def boxed_accuracy(
             log_metric("retool/accuracy_with_code", sum(with_code) / len(with_code))
         if without_code:
             log_metric("retool/accuracy_without_code", sum(without_code) / len(without_code))
-    return [good if c else bad for c in correct]
+    rewards = [good if c else bad for c in correct]
+    if infra_failed is not None:
+        rewards = [None if failed else r for r, failed in zip(rewards, infra_failed)]
+    return rewards
+
+
+def tool_use_shaping(
+    completions: Sequence,
+    answer: Sequence[str],
+    num_tool_calls: Sequence[int],
+    model_text: Sequence[str] | None = None,
+    tool_use_bonus: float | Sequence[float] | None = None,
+    **kwargs,
+) -> list[float]:
+    r"""Reward shaping used by the verl and slime ReTool recipes: `tool_use_bonus` for a *wrong* answer that called
+    code at least once, 0 otherwise. Added to `boxed_accuracy`, a wrong answer with code then scores a little above
+    a wrong answer without, and never near a right one (`ReToolConfig` bounds the bonus).
+
+    Args:
+        completions, answer, model_text: As for `boxed_accuracy`.
+        num_tool_calls: Executions per completion (from the rollout).
+        tool_use_bonus: The bonus (the trainer passes `ReToolConfig.tool_use_bonus`; default 0.1).
+    """
+    tags = _tags(kwargs)
+    bonus = float(_scalar(tool_use_bonus, 0.1))
+    shaped = []
+    for i, completion in enumerate(completions):
+        text = model_text[i] if model_text is not None else None
+        wrong = not is_equivalent(final_answer(completion, text, tags), answer[i])
+        shaped.append(bonus if wrong and num_tool_calls[i] > 0 else 0.0)
+    return shaped

@@ -19,11 +19,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .parsing import Tags, extract_code, format_interpreter_block
+from .parsing import Tags, extract_code, format_interpreter_block, last_boxed, model_prose
 from .sandbox import ExecResult, truncate_output
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
-ROLLOUT_FIELDS = ("model_text", "num_tool_calls", "num_tool_errors", "num_tool_timeouts", "num_infra_errors")
+ROLLOUT_FIELDS = (
+    "model_text",
+    "num_tool_calls",
+    "num_tool_errors",
+    "num_tool_timeouts",
+    "num_infra_errors",
+    "infra_failed",
+    "num_void_turns",
+)
 
 
 @dataclass
@@ -84,6 +92,10 @@ class RolloutResult:
     code_lines: list[int]
     exec_seconds: list[float] = field(default_factory=list)  # one per executed snippet, for latency metrics
     num_turns: list[int] = field(default_factory=list)
+    # A call failed for the sandbox's own reasons even after one retry: not the model's fault.
+    infra_failed: list[bool] = field(default_factory=list)
+    # Finished turns with neither a complete code block nor a \boxed{} answer (SimpleTIR's "void" turns).
+    num_void_turns: list[int] = field(default_factory=list)
 
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
@@ -108,6 +120,8 @@ class _Row:
     errors: int = 0
     timeouts: int = 0
     infra_errors: int = 0
+    infra_failed: bool = False
+    void_turns: int = 0
     code_lines: int = 0
     turns: int = 0
     session: object = None
@@ -157,11 +171,13 @@ def interleaved_rollout(
                 row.turns += 1
                 have_logprobs &= out.logprobs is not None
                 row.append(out.token_ids, 1, out.logprobs)
-                if not out.token_ids or out.token_ids[-1] in eos:
+                code = extract_code(text, spec.tags)
+                ended = not out.token_ids or out.token_ids[-1] in eos
+                if ended or len(row.completion_ids) < spec.max_completion_length:  # a finished, untruncated turn
+                    row.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
+                if ended or len(row.completion_ids) >= spec.max_completion_length:
                     row.done = True
-                elif len(row.completion_ids) >= spec.max_completion_length:
-                    row.done = True
-                elif row.calls < spec.max_tool_calls and (code := extract_code(text, spec.tags)) is not None:
+                elif row.calls < spec.max_tool_calls and code is not None:
                     pending.append((i, code))
                 # else: a code-end tag without an open code block is plain text; the model just continues.
             _execute(rows, pending, sandbox, tokenizer, spec, exec_seconds)
@@ -186,7 +202,19 @@ def interleaved_rollout(
         code_lines=[r.code_lines for r in rows],
         exec_seconds=exec_seconds,
         num_turns=[r.turns for r in rows],
+        infra_failed=[r.infra_failed for r in rows],
+        num_void_turns=[r.void_turns for r in rows],
     )
+
+
+def _run_many(sandbox, pairs) -> list[ExecResult]:
+    started = time.perf_counter()
+    try:
+        return list(sandbox.run_many(pairs))
+    except Exception as exc:  # the sandbox itself failed: not the model's fault, and training must go on
+        message = f"SandboxError: {type(exc).__name__}: {exc}"
+        elapsed = time.perf_counter() - started
+        return [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)] * len(pairs)
 
 
 def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds: list[float]) -> None:
@@ -196,14 +224,14 @@ def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds:
     for i, _ in pending:
         if rows[i].session is None:
             rows[i].session = sandbox.session()
-    started = time.perf_counter()
-    try:
-        results = sandbox.run_many([(rows[i].session, code) for i, code in pending])
-    except Exception as exc:  # the sandbox itself failed: not the model's fault, and training must go on
-        elapsed = time.perf_counter() - started
-        message = f"SandboxError: {type(exc).__name__}: {exc}"
-        results = [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)]
-        results = results * len(pending)
+    results = _run_many(sandbox, [(rows[i].session, code) for i, code in pending])
+    # Infrastructure failures (worker lost, service down) are retried once; the snippet's own errors never are.
+    retry = [k for k, result in enumerate(results) if result.infra_error]
+    if retry:
+        again = _run_many(sandbox, [(rows[pending[k][0]].session, pending[k][1]) for k in retry])
+        for k, result in zip(retry, again, strict=True):
+            results[k] = result
+            rows[pending[k][0]].infra_failed |= result.infra_error
     blocks = []
     for (i, code), result in zip(pending, results, strict=True):
         row = rows[i]
@@ -211,7 +239,7 @@ def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds:
         row.code_lines += len([line for line in code.splitlines() if line.strip()])
         row.errors += not result.ok
         row.timeouts += bool(result.timed_out)
-        row.infra_errors += bool(getattr(result, "infra_error", False))
+        row.infra_errors += result.infra_error
         exec_seconds.append(result.duration_s)
         output = truncate_output(result.output, spec.max_interpreter_output_chars, spec.interpreter_truncation)
         blocks.append(format_interpreter_block(output, spec.tags))

@@ -10,6 +10,9 @@ PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so i
 
 from __future__ import annotations
 
+import random
+
+import torch
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
@@ -19,8 +22,10 @@ from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
 from .inference import sandbox_from_config
 from .metrics import rollout_metrics
-from .rewards import boxed_accuracy
+from .parsing import Tags
+from .rewards import boxed_accuracy, final_answer, is_equivalent, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .stability import dropped_from_loss, resample_on_correct, select_rows
 
 
 class ReToolTrainer(GRPOTrainer):
@@ -47,12 +52,15 @@ class ReToolTrainer(GRPOTrainer):
         for conflicting in ("rollout_func", "tools", "environment_factory"):
             if kwargs.get(conflicting) is not None:
                 raise ValueError(f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported.")
-        super().__init__(model, reward_funcs if reward_funcs is not None else [boxed_accuracy], args, *pos, **kwargs)
+        reward_funcs = _with_shaping(reward_funcs if reward_funcs is not None else [boxed_accuracy], args)
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
+        self._rollout_inputs: list[dict] = []
+        self._roc_rng = random.Random(args.seed)
 
     # ----------------------------------------------------------------------------------------------- sandbox
     @property
@@ -108,27 +116,80 @@ class ReToolTrainer(GRPOTrainer):
             unwrapped_model, self._tokenizer, self.generation_config, self.args.code_end, self.eos_token_ids
         )
 
+    def _generate_and_score_completions(self, inputs):
+        # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
+        self._rollout_inputs = inputs
+        return super()._generate_and_score_completions(inputs)
+
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
+        args = self.args
         prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
-        result = self._generate_rollout([list(ids) for ids in prompt_ids])
-
+        prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
-        for name, value in rollout_metrics(result, self.accelerator.gather).items():
+        if args.roc_oversample > 1 and mode == "train":
+            result = self._resample_on_correct(prompts, prompt_ids)
+        else:
+            result = self._generate_rollout(prompt_ids)
+
+        dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
+        env_mask = [[0] * len(mask) if drop else mask for mask, drop in zip(result.interpreter_mask, dropped)]
+        metrics = rollout_metrics(result, self.accelerator.gather)
+        metrics["retool/dropped_from_loss_ratio"] = self.accelerator.gather(
+            torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device)
+        ).mean().item()
+        for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
-        args = self.args
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": result.completion_ids,
             "logprobs": result.logprobs,
-            "env_mask": result.interpreter_mask,
+            "env_mask": env_mask,
             **result.extra_fields(),
-            # Scalars reach every reward function as kwargs; `boxed_accuracy` reads them.
+            # Scalars reach every reward function as kwargs; `boxed_accuracy` and `tool_use_shaping` read them.
             "correct_reward": args.correct_reward,
             "incorrect_reward": args.incorrect_reward,
+            "tool_use_bonus": args.tool_use_bonus,
             "code_start": args.code_start,
             "code_end": args.code_end,
             "interpreter_start": args.interpreter_start,
             "interpreter_end": args.interpreter_end,
         }
+
+    def _resample_on_correct(self, prompts: list, prompt_ids: list[list[int]]) -> RolloutResult:
+        """GRPO-RoC: roll out `roc_oversample` x each group, keep `num_generations` per group (see `stability`)."""
+        group, factor = self.num_generations, self.args.roc_oversample
+        inputs = self._rollout_inputs
+        if len(prompts) % group or any(
+            prompts[g] != prompts[g + i] for g in range(0, len(prompts), group) for i in range(group)
+        ):
+            raise ValueError(
+                "ReToolConfig.roc_oversample > 1 needs whole groups of num_generations on each process; make the "
+                "per-process generation batch a multiple of num_generations (or set roc_oversample=1)."
+            )
+        if len(inputs) != len(prompts) or "answer" not in inputs[0]:
+            raise ValueError("ReToolConfig.roc_oversample > 1 needs an `answer` column in the dataset.")
+        result = self._generate_rollout([ids for ids in prompt_ids for _ in range(factor)])
+        tags = Tags.from_config(self.args)
+        keep = []
+        for g in range(0, len(prompts), group):
+            rows = range(g * factor, (g + group) * factor)
+            answer = inputs[g]["answer"]
+            correct = [is_equivalent(final_answer(None, result.model_text[r], tags), answer) for r in rows]
+            problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
+            keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
+        return select_rows(result, keep)
+
+
+def _with_shaping(reward_funcs, args: ReToolConfig) -> list:
+    """Adds `tool_use_shaping` to the reward functions when `tool_use_bonus` > 0."""
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if args.tool_use_bonus <= 0 or tool_use_shaping in funcs:
+        return funcs
+    if args.reward_weights is not None:
+        raise ValueError(
+            "ReToolConfig.tool_use_bonus > 0 adds the reward `tool_use_shaping`, but reward_weights is set: add "
+            "`retool_trl.rewards.tool_use_shaping` to reward_funcs (and its weight) yourself."
+        )
+    return [*funcs, tool_use_shaping]
