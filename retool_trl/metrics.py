@@ -25,8 +25,10 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
                 len(mask) - sum(mask),
                 len(mask),
                 turns,
+                void > 0,
+                failed,
             ]
-            for calls, errors, timeouts, infra, lines, mask, turns in zip(
+            for calls, errors, timeouts, infra, lines, mask, turns, void, failed in zip(
                 result.num_tool_calls,
                 result.num_tool_errors,
                 result.num_tool_timeouts,
@@ -34,17 +36,19 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
                 result.code_lines,
                 result.interpreter_mask,
                 result.num_turns,
+                result.num_void_turns,
+                result.infra_failed,
                 strict=True,
             )
         ],
         dtype=torch.float64,
-    ).reshape(-1, 8)
+    ).reshape(-1, 10)
     rows = gather(per_row).cpu()
     # Fixed-size summaries: processes may run different numbers of snippets.
     exec_s = result.exec_seconds
     latency = torch.tensor([[sum(exec_s), max(exec_s, default=0.0), len(exec_s)]], dtype=torch.float64)
     latency_sum, latency_max, num_exec = gather(latency).cpu().reshape(-1, 3).T
-    calls, errors, timeouts, infra, lines, interp_tokens, tokens, turns = rows.sum(dim=0).tolist()
+    calls, errors, timeouts, infra, lines, interp_tokens, tokens, turns, void, failed = rows.sum(dim=0).tolist()
     n = max(len(rows), 1)
     metrics = {
         "retool/code_ratio": (rows[:, 0] > 0).double().mean().item() if len(rows) else 0.0,
@@ -55,6 +59,8 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
         "retool/infra_error_rate": infra / calls if calls else 0.0,
         "retool/interpreter_token_fraction": interp_tokens / tokens if tokens else 0.0,
         "retool/code_lines_per_call": lines / calls if calls else 0.0,
+        "retool/void_turn_ratio": void / n,
+        "retool/infra_failed_ratio": failed / n,
     }
     if num_exec.sum() > 0:
         metrics["retool/sandbox_latency_ms_mean"] = (latency_sum.sum() / num_exec.sum()).item() * 1000

@@ -32,10 +32,10 @@ from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noq
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default=str(QUICKSTART_MODEL_DIR), help="Where the checkpoint is saved.")
-    parser.add_argument("--num-traces", type=int, default=20000, help="Synthetic SFT traces.")
-    parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
-    parser.add_argument("--batch-size", type=int, default=64, help="Traces per step.")
-    parser.add_argument("--learning-rate", type=float, default=3e-3, help="Peak learning rate (cosine decay).")
+    parser.add_argument("--num-traces", type=int, default=16000, help="Synthetic SFT traces.")
+    parser.add_argument("--max-steps", type=int, default=1000, help="SFT optimizer steps.")
+    parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
     return parser.parse_args()
@@ -74,6 +74,8 @@ def main() -> None:
             lr_scheduler_type="cosine",
             warmup_steps=50,
             weight_decay=0.0,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
             max_length=None,  # traces are short; nothing to truncate
             logging_steps=100,
             save_strategy="no",
