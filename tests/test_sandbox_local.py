@@ -1,0 +1,330 @@
+"""Behaviour of `retool_trl.sandbox.LocalSandbox`: sessions, concurrency, output, errors, lifecycle."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from retool_trl.sandbox import ExecResult, LocalSandbox, build_sandbox, truncate_output
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _children():
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with LocalSandbox(num_workers=2, timeout_s=3.0, max_output_chars=1000) as sb:
+        yield sb
+
+
+# --------------------------------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("side", ["head", "tail", "middle"])
+def test_truncate_output_bounds_and_marks(side):
+    text = "".join(f"line {i}\n" for i in range(1000))
+    out = truncate_output(text, 200, side)
+    assert len(out) <= 200
+    assert "characters elided" in out
+    if side in ("head", "middle"):
+        assert out.startswith("line 0\nline 1\n")
+    if side in ("tail", "middle"):
+        assert out.endswith("line 998\nline 999\n")
+    if side == "head":
+        assert "line 999" not in out
+    if side == "tail":
+        assert not out.startswith("line 0\n")
+
+
+def test_truncate_output_reports_elided_count_and_keeps_short_text():
+    assert truncate_output("short", 100) == "short"
+    assert truncate_output("", 0) == ""
+    out = truncate_output("x" * 500 + "y" * 500, 100)
+    kept = out.count("x") + out.count("y")
+    assert f"[{1000 - kept} characters elided]" in out
+    with pytest.raises(ValueError):
+        truncate_output("abc", 2, "sideways")
+
+
+# ----------------------------------------------------------------------------------------------------- sessions
+
+
+def test_documented_example(sandbox):
+    session = sandbox.session()
+    r = session.run("x = 6 * 7\nprint(x)")
+    assert r == ExecResult(output="42\n", ok=True, timed_out=False, duration_s=r.duration_s)
+    assert r.infra_error is False and r.duration_s >= 0
+    other = sandbox.session()
+    results = sandbox.run_many([(session, "print(x + 1)"), (other, "1/0")])
+    assert results[0].output == "43\n" and results[0].ok
+    assert not results[1].ok
+    assert results[1].output.rstrip("\n").splitlines()[-1] == "ZeroDivisionError: division by zero"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.ok = False
+    session.close()
+    other.close()
+
+
+def test_state_persists_within_a_session_and_not_across(sandbox):
+    a, b = sandbox.session(), sandbox.session()
+    assert a.run("import math\ndef f(n):\n    return math.factorial(n)\nsecret = 41").ok
+    assert a.run("print(f(5), secret + 1)").output == "120 42\n"
+    r = b.run("print(secret)")
+    assert not r.ok and r.output.rstrip().endswith("NameError: name 'secret' is not defined")
+    assert "f" not in b.run("print(sorted(k for k in globals() if not k.startswith('__')))").output
+    a.close()
+    b.close()
+
+
+def test_same_session_cells_run_in_order(sandbox):
+    s = sandbox.session()
+    results = sandbox.run_many([(s, "acc = [1]"), (s, "acc.append(2)"), (s, "print(acc)")])
+    assert [r.ok for r in results] == [True, True, True]
+    assert results[2].output == "[1, 2]\n"
+    s.close()
+
+
+def test_expression_display(sandbox):
+    s = sandbox.session()
+    assert s.run("6 * 7").output == "42\n"
+    assert s.run("y = 3\ny").output == "3\n"
+    assert s.run("'a' + 'b'").output == "'ab'\n"
+    assert s.run("print('printed')\n6 * 7").output == "printed\n"  # something printed: no repr
+    assert s.run("None").output == ""
+    s.close()
+    with LocalSandbox(num_workers=1, show_last_expression=False, preload=()) as quiet:
+        assert quiet.session().run("6 * 7").output == ""
+
+
+def test_stdout_stderr_and_native_output_are_captured(sandbox):
+    s = sandbox.session()
+    r = s.run("import sys, os, subprocess\nprint('out')\nprint('err', file=sys.stderr)\nos.write(1, b'native\\n')\n"
+              "subprocess.run(['echo', 'child'])")
+    assert r.ok
+    for piece in ("out\n", "err\n", "native\n", "child\n"):
+        assert piece in r.output
+    s.close()
+
+
+def test_exception_traceback_is_short_and_hides_host_paths(sandbox):
+    s = sandbox.session()
+    s.run("def inner(d):\n    return d['missing']\n")
+    r = s.run("x = 1\ninner({})")
+    assert not r.ok and not r.timed_out and not r.infra_error
+    lines = r.output.rstrip("\n").splitlines()
+    assert lines[-1] == "KeyError: 'missing'"
+    assert "Traceback (most recent call last):" in r.output and "return d['missing']" in r.output
+    for host_path in ("retool_trl", "worker.py", os.path.dirname(os.path.abspath(__file__))):
+        assert host_path not in r.output
+    assert not s.broken  # an exception is the cell's error, not a broken session
+    assert s.run("print(x)").output == "1\n"
+    syntax = s.run("x = = 2")
+    assert syntax.output.rstrip().splitlines()[-1].startswith("SyntaxError")
+    assert "retool_trl" not in syntax.output and "ast.py" not in syntax.output
+    s.close()
+
+
+def test_multiline_exception_message_ends_with_one_line(sandbox):
+    s = sandbox.session()
+    r = s.run("raise ValueError('first\\nsecond')")
+    assert r.output.rstrip("\n").splitlines()[-1] == "ValueError: first second"
+    s.close()
+
+
+def test_output_is_truncated_in_the_middle(sandbox):
+    s = sandbox.session()
+    r = s.run("for i in range(100000):\n    print(i)")
+    assert r.ok and len(r.output) <= 1000
+    assert r.output.startswith("0\n1\n2\n") and r.output.endswith("99998\n99999\n")
+    assert "characters elided" in r.output
+    s.close()
+
+
+# -------------------------------------------------------------------------------------------------- concurrency
+
+
+def test_sleeping_cells_run_concurrently():
+    with LocalSandbox(num_workers=2, timeout_s=5.0, preload=()) as sb:
+        sessions = [sb.session() for _ in range(6)]
+        sb.run_many([(s, "import time") for s in sessions])  # fork the processes outside the timed part
+        start = time.monotonic()
+        results = sb.run_many([(s, "time.sleep(0.5)\nprint('done')") for s in sessions])
+        elapsed = time.monotonic() - start
+    assert all(r.ok and r.output == "done\n" for r in results)
+    # 6 sleepers on 2 workers: blocked cells give their CPU slot away, so ~one sleep, not three (or six).
+    assert elapsed < 1.6, elapsed
+
+
+def test_cpu_bound_cells_do_not_oversubscribe_the_workers():
+    # With one worker, two CPU-bound cells run one after the other, so neither is slowed towards its time limit.
+    with LocalSandbox(num_workers=1, timeout_s=10.0, preload=()) as sb:
+        a, b = sb.session(), sb.session()
+        sb.run_many([(a, "import time"), (b, "import time")])
+        burn = "start = time.time()\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n" \
+               "print(start, time.time())"
+        first, second = (tuple(map(float, r.output.split())) for r in sb.run_many([(a, burn), (b, burn)]))
+    assert second[0] >= first[1] - 0.02 or first[0] >= second[1] - 0.02, (first, second)
+
+
+def test_a_slow_cell_does_not_hold_up_the_rest():
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        slow, fast = sb.session(), sb.session()
+        results = sb.run_many([(slow, "import time\ntime.sleep(1.0)"), (fast, "print('quick')")])
+        assert results[1].ok and results[1].duration_s < 0.5
+        assert results[0].ok and results[0].duration_s >= 1.0
+
+
+def test_run_many_is_thread_safe(sandbox):
+    outputs, errors = {}, []
+
+    def worker(k):
+        try:
+            s = sandbox.session()
+            for i in range(5):
+                outputs[(k, i)] = sandbox.run_many([(s, f"v = {k} * 100 + {i}\nprint(v)")])[0].output
+            s.close()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert outputs == {(k, i): f"{k * 100 + i}\n" for k in range(4) for i in range(5)}
+
+
+# --------------------------------------------------------------------------------------------- limits / breakage
+
+
+def test_timeout_kills_and_breaks_the_session():
+    with LocalSandbox(num_workers=1, timeout_s=0.5, preload=()) as sb:
+        s = sb.session()
+        s.run("state = 1")
+        start = time.monotonic()
+        r = s.run("while True:\n    pass")
+        assert time.monotonic() - start < 2.0
+        assert not r.ok and r.timed_out and not r.infra_error
+        assert r.output.rstrip().splitlines()[-1] == "TimeoutError: execution exceeded 0.5 s"
+        assert s.broken
+        again = s.run("print(state)")
+        assert not again.ok and not again.timed_out
+        assert len(again.output.strip().splitlines()) == 1
+        assert "broken" in again.output and "reset" in again.output
+        assert sb.session().run("print('fresh')").output == "fresh\n"
+
+
+def test_closed_session_refuses_politely(sandbox):
+    s = sandbox.session()
+    assert not s.closed and not s.broken
+    s.run("a = 1")
+    s.close()
+    s.close()
+    assert s.closed
+    r = s.run("print(a)")
+    assert not r.ok and "closed" in r.output
+
+
+def test_scratch_directory_is_fresh_private_and_removed(sandbox):
+    a, b = sandbox.session(), sandbox.session()
+    where = a.run("import os\nopen('note.txt', 'w').write('hi')\nprint(os.getcwd())").output.strip()
+    assert b.run("import os\nprint(os.listdir('.'))").output == "[]\n"
+    assert b.run("import os\nprint(os.getcwd())").output.strip() != where
+    peek = b.run(f"print(open({where + '/note.txt'!r}).read())")
+    assert not peek.ok and "PermissionError" in peek.output
+    a.close()
+    gone = b.run(f"import os, time\nfor _ in range(100):\n    if not os.path.exists({where!r}): break\n"
+                 "    time.sleep(0.02)\nprint(os.path.exists(" + repr(where) + "))")
+    assert gone.output == "False\n"
+    b.close()
+
+
+# ---------------------------------------------------------------------------------------------------- lifecycle
+
+
+def test_lazy_start_and_clean_close():
+    before = _children()
+    sb = LocalSandbox(num_workers=2, preload=())
+    s = sb.session()
+    assert not (_children() - before)  # nothing started yet
+    assert s.run("print(1)").ok
+    assert _children() - before
+    sb.close()
+    sb.close()
+    deadline = time.monotonic() + 5
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (_children() - before)
+    with pytest.raises(RuntimeError):
+        sb.session()
+
+
+def test_sandbox_is_closed_at_interpreter_exit(tmp_path):
+    script = (
+        "import os, sys\nfrom retool_trl.sandbox import LocalSandbox\n"
+        "sb = LocalSandbox(num_workers=1, preload=())\nsb.session().run('x = 1')\n"
+        "import psutil\nprint(','.join(str(p.pid) for p in psutil.Process().children(recursive=True)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.strip().split(",") if p]
+    assert pids
+    time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_build_sandbox():
+    sb = build_sandbox("local", num_workers=1, timeout_s=2.0, preload=())
+    assert isinstance(sb, LocalSandbox) and sb.timeout_s == 2.0
+    sb.close()
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        build_sandbox("carrier-pigeon")
+    with pytest.raises(ValueError):
+        LocalSandbox(isolation="chroot")
+
+
+def test_package_imports_without_torch():
+    code = "import sys, retool_trl.sandbox as s; s.build_sandbox; print(sorted(m for m in ('torch', 'transformers', " \
+           "'trl') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_one_session_from_two_threads_runs_one_cell_at_a_time(sandbox):
+    s = sandbox.session()
+    s.run("log = []")
+    code = "import time\nlog.append('start')\ntime.sleep(0.05)\nlog.append('end')"
+    threads = [threading.Thread(target=s.run, args=(code,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert s.run("print(log)").output == str(["start", "end"] * 3) + "\n"
+    s.close()
+
+
+def test_forked_child_exiting_does_not_stop_the_parents_sandbox():
+    # Like a data-loader worker: a fork of the trainer inherits the sandbox object and exits through the normal
+    # interpreter shutdown (atexit, finalizers), which must leave the parent's sandbox running.
+    script = (
+        "import os, sys\nfrom retool_trl.sandbox import LocalSandbox\n"
+        "sb = LocalSandbox(num_workers=1, preload=())\ns = sb.session()\ns.run('x = 1')\n"
+        "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
+        "print(s.run('print(x)').output, end='')\nsb.close()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "1\n"
