@@ -1,0 +1,149 @@
+"""Plots of a training run's logs (`trainer_state.json` -> `log_history`) as a PNG grid, one panel per metric.
+
+Training values are drawn as lines and evaluation values (`eval_<key>`) as markers in the same panel. Only logged
+keys are drawn, so the same call works for GRPO runs (reward, accuracy, `retool/*` metrics) and SFT runs (loss,
+token accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+# Default panels, in order; missing keys are skipped. `rewards/*/mean` keys are added after `reward`.
+DEFAULT_METRICS = (
+    "reward",
+    "retool/accuracy_with_code",
+    "retool/accuracy_without_code",
+    "retool/code_ratio",
+    "retool/calls_per_completion",
+    "completions/mean_length",
+    "retool/interpreter_token_fraction",
+    "retool/error_rate",
+    "retool/timeout_rate",
+    "loss",
+    "kl",
+    "entropy",
+    "mean_token_accuracy",
+    "learning_rate",
+)
+
+
+def load_log_history(run: str | Path) -> list[dict]:
+    """The `log_history` of a run: `run` is a `trainer_state.json`, a checkpoint folder, or an `output_dir` (its own
+    `trainer_state.json`, else the one of its latest `checkpoint-*`)."""
+    path = Path(run)
+    if path.is_dir():
+        candidates = [path / "trainer_state.json"]
+        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
+                             if p.name.split("-")[-1].isdigit() else -1)
+        candidates += [c / "trainer_state.json" for c in reversed(checkpoints)]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(
+                f"no trainer_state.json in {str(path)!r} or its checkpoint-* folders: point --run at the output_dir "
+                "of a finished `retool-trl train`/`sft` run (or of a run with save_strategy set)."
+            )
+        path = found
+    elif not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} does not exist.")
+    try:
+        return list(json.loads(path.read_text())["log_history"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{str(path)!r} is not a trainer_state.json with a log_history ({error}).") from None
+
+
+def _series(log_history: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+    steps, values = [], []
+    for entry in log_history:
+        value = entry.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            steps.append(entry.get("step", len(steps)))
+            values.append(float(value))
+    return steps, values
+
+
+def available_metrics(log_history: Sequence[dict], metrics: Sequence[str] | None = None) -> list[str]:
+    """The metrics that would be plotted: `metrics` (or the defaults plus every `rewards/*/mean`) that were logged,
+    as training values or as `eval_` values."""
+    logged = {key for entry in log_history for key in entry}
+    if metrics is None:
+        reward_means = sorted(k for k in logged if k.startswith("rewards/") and k.endswith("/mean"))
+        metrics = [DEFAULT_METRICS[0], *reward_means, *DEFAULT_METRICS[1:]]
+    return [m for m in metrics if m in logged or f"eval_{m}" in logged]
+
+
+def plot_log_history(
+    log_history: Sequence[dict],
+    output: str | Path,
+    metrics: Sequence[str] | None = None,
+    title: str | None = None,
+    ncols: int = 3,
+) -> Path:
+    """Draws one panel per logged metric and saves a PNG.
+
+    Args:
+        log_history (`list[dict]`): `TrainerState.log_history` (e.g. `trainer.state.log_history`).
+        output (`str` or `Path`): PNG path (parent folders are created).
+        metrics (`list[str]`, *optional*): Keys to plot; default: `DEFAULT_METRICS` plus every `rewards/*/mean`.
+        title (`str`, *optional*): Figure title.
+        ncols (`int`): Panels per row.
+
+    Returns:
+        The PNG path.
+
+    Raises:
+        ValueError: none of the metrics was logged.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    keys = available_metrics(log_history, metrics)
+    if not keys:
+        wanted = list(metrics) if metrics else "the default metrics"
+        raise ValueError(f"nothing to plot: the log history has none of {wanted}; pass --metrics with logged keys.")
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        steps, values = _series(log_history, key)
+        if values:
+            ax.plot(steps, values, label="train", linewidth=1.5, marker="o" if len(values) < 3 else None)
+            if key == "reward":  # TRL logs the spread of rewards alongside their mean
+                _, std = _series(log_history, "reward_std")
+                if len(std) == len(values):
+                    ax.fill_between(steps, [v - s for v, s in zip(values, std)],
+                                    [v + s for v, s in zip(values, std)], alpha=0.2)
+        eval_steps, eval_values = _series(log_history, f"eval_{key}")
+        if eval_values:
+            ax.plot(eval_steps, eval_values, "o--", label="eval", markersize=4)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if values and eval_values:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output
+
+
+def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequence[str] | None = None) -> Path:
+    """Plots a run folder's logs (see [`load_log_history`]) to `output` (default: `RUN/training_curves.png`)."""
+    run = Path(run)
+    history = load_log_history(run)
+    if output is None:
+        output = (run if run.is_dir() else run.parent) / "training_curves.png"
+    return plot_log_history(history, output, metrics, title=run.resolve().name)
+
+
+__all__ = ["DEFAULT_METRICS", "available_metrics", "load_log_history", "plot_log_history", "plot_run"]

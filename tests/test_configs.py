@@ -1,0 +1,109 @@
+"""Every shipped config parses into trainer arguments (with a tiny local model swapped in), so none of them rots."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from retool_trl.cli import build_train, parse_sft_args, parse_train_args
+from retool_trl.data import find_known_dataset, is_local_dataset
+from retool_trl.testing import make_char_tokenizer, save_tiny_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TRAIN_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("sft"))
+SFT_CONFIGS = sorted(CONFIGS.glob("sft*.yaml"))
+ACCELERATE_CONFIGS = sorted((CONFIGS / "accelerate").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("configs") / "model", make_char_tokenizer())
+
+
+def cpu_overrides(tiny_model, tmp_path):
+    # What differs on this machine: the model, no GPU (so no bf16 and no vLLM), and a scratch output folder.
+    return ["--model_name_or_path", tiny_model, "--bf16", "false", "--use_cpu", "true", "--dtype", "float32",
+            "--output_dir", str(tmp_path / "out")]
+
+
+def test_configs_exist():
+    assert {p.name for p in TRAIN_CONFIGS} >= {"quickstart.yaml", "retool_qwen2.5-7b_zero3.yaml"}
+    assert SFT_CONFIGS and ACCELERATE_CONFIGS
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_train_configs_build_arguments(path, tiny_model, tmp_path):
+    raw = yaml.safe_load(path.read_text())
+    script_args, args, model_args = parse_train_args(
+        ["--config", str(path), *cpu_overrides(tiny_model, tmp_path), "--use_vllm", "false"])
+    assert model_args.model_name_or_path == tiny_model and args.use_cpu and not args.use_vllm
+    for key in ("learning_rate", "beta", "max_completion_length", "num_generations", "max_tool_calls"):
+        if key in raw:
+            assert getattr(args, key) == pytest.approx(float(raw[key])), key
+    for name in (script_args.dataset_name, script_args.eval_dataset_name):
+        if name:
+            assert name == "synthetic" or find_known_dataset(name) or is_local_dataset(name), name
+    if model_args.use_peft:
+        from trl import get_peft_config
+
+        assert get_peft_config(model_args).r == model_args.lora_r
+
+
+@pytest.mark.parametrize("path", [p for p in TRAIN_CONFIGS if p.name != "quickstart.yaml"], ids=lambda p: p.name)
+def test_gpu_configs_follow_the_paper(path):
+    """The settings the configs attribute to ReTool: no KL, 512 completions per optimizer step on the GPUs they
+    are written for, DAPO-Math-17k training with AIME 2024 evaluation, vLLM colocated, bf16."""
+    raw = yaml.safe_load(path.read_text())
+    processes = 8 if "zero3" in path.name else 1
+    assert raw["per_device_train_batch_size"] * raw["gradient_accumulation_steps"] * processes == 512
+    assert raw["beta"] == 0.0 and raw["num_generations"] == 16 and raw["max_tool_calls"] == 8
+    assert raw["dataset_name"] == "dapo_math" and raw["eval_dataset_name"] == "aime_2024"
+    assert raw["use_vllm"] and raw["vllm_mode"] == "colocate" and raw["bf16"] and raw["gradient_checkpointing"]
+    assert raw["learning_rate"] == (1e-6 if "zero3" in path.name else 1e-5)
+
+
+def test_quickstart_config_builds_a_trainer(tiny_model, tmp_path):
+    """The CPU config runs here: build its trainer on the synthetic task with the tiny model swapped in."""
+    trainer = build_train(["--config", str(CONFIGS / "quickstart.yaml"), *cpu_overrides(tiny_model, tmp_path),
+                           "--max_train_samples", "16"])
+    try:
+        assert len(trainer.train_dataset) == 16
+        assert trainer.train_dataset[0]["prompt"].startswith("What is ")
+        assert trainer.args.system_prompt == "none" and trainer.args.max_steps > 0
+    finally:
+        trainer.close_sandbox()
+
+
+@pytest.mark.parametrize("path", SFT_CONFIGS, ids=lambda p: p.name)
+def test_sft_configs_build_arguments(path, tiny_model, tmp_path):
+    raw = yaml.safe_load(path.read_text())
+    script_args, args, model_args = parse_sft_args(["--config", str(path), *cpu_overrides(tiny_model, tmp_path)])
+    assert args.max_length == raw["max_length"] and args.learning_rate == pytest.approx(float(raw["learning_rate"]))
+    assert script_args.dataset_name and script_args.interpreter_start == "<interpreter>"
+    assert args.completion_only_loss is not False and not args.packing
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_configs_load(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 1
+    if "zero3" in path.name:
+        assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == 3
+
+
+def test_quickstart_config_matches_the_quickstart_command():
+    """configs/quickstart.yaml is the `tool_rl` run of `retool-trl quickstart`: same settings."""
+    from retool_trl import quickstart
+
+    if not hasattr(quickstart, "QuickstartArguments"):
+        pytest.skip("retool_trl.quickstart has no QuickstartArguments yet")
+    defaults = quickstart.QuickstartArguments()
+    raw = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    assert raw["per_device_train_batch_size"] == defaults.prompts_per_step * defaults.num_generations
+    assert raw["num_generations"] == defaults.num_generations
+    assert raw["max_train_samples"] == defaults.num_train
+    for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
+        assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
+    assert int(raw["dataset_config"]) == quickstart.QuickstartTask().difficulty
