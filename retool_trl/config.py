@@ -202,10 +202,25 @@ class ReToolConfig(GRPOConfig):
                 f"ReToolConfig.tool_use_bonus must be in [0, (correct_reward - incorrect_reward) / 2), got "
                 f"{self.tool_use_bonus}: a wrong answer must never score close to a right one."
             )
-        if self.max_completion_length is not None and self.max_completion_length < 1:
+        if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError(
-                f"ReToolConfig.max_completion_length must be >= 1, got {self.max_completion_length}."
+                "ReToolConfig.max_completion_length must be >= 1 (it bounds every completion, interpreter tokens "
+                f"included), got {self.max_completion_length}."
             )
+        generation_kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        for key in ("num_beams", "num_return_sequences"):
+            if generation_kwargs.get(key, 1) != 1:
+                raise ValueError(
+                    f"ReToolConfig.generation_kwargs[{key!r}] must be 1: the interleaved rollout samples one "
+                    "sequence per completion (use num_generations for more samples)."
+                )
+        prompt = self.system_prompt
+        if prompt is not None and prompt.strip().lower() != "none" and prompt not in SYSTEM_PROMPTS:
+            if prompt.isidentifier():  # a name, not a prompt: most likely a typo of a shipped one
+                raise ValueError(
+                    f"ReToolConfig.system_prompt={prompt!r} is not a shipped prompt ({', '.join(SYSTEM_PROMPTS)}); "
+                    "give one of those names, 'none', or the prompt text itself."
+                )
 
     @property
     def resolved_system_prompt(self) -> str | None:

@@ -165,7 +165,7 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
     import torch
     from tqdm.auto import tqdm
 
-    from .inference import generate_with_interpreter, sandbox_from_config
+    from .inference import eos_token_ids_of, generate_with_interpreter, sandbox_from_config
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
@@ -180,7 +180,7 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
             with torch.no_grad():
                 result = generate_with_interpreter(model, tokenizer, [prompts[p] for p, _ in chunk], args,
                                                    sandbox=sandbox, batch_size=batch_size)
-            scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, [tokenizer.eos_token_id])
+            scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, eos_token_ids_of(model, tokenizer))
             for (p, s), record, ids in zip(chunk, scored, result.completion_ids):
                 record.update(problem=p, sample=s,
                               completion=tokenizer.decode(ids, skip_special_tokens=True))

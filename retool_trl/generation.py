@@ -11,7 +11,17 @@ import copy
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+try:
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+except ImportError:  # older transformers 5.x
+
+    def is_fsdp_managed_module(module) -> bool:
+        return getattr(module, "_is_fsdp_managed_module", False)
 
 from .rollout import TurnOutput
 
@@ -68,7 +78,8 @@ class TransformersBackend:
     ):
         self.model = model
         self.logits_processor = logits_processor
-        self.reuse_cache = reuse_cache
+        # A repetition penalty would count the padding of the reused cache's holes (pad == eos for many tokenizers).
+        self.reuse_cache = reuse_cache and generation_config.repetition_penalty in (None, 1.0)
         self.tokenizer = tokenizer
         self.generation_config = copy.deepcopy(generation_config)
         self.eos_token_ids = list(eos_token_ids)
@@ -80,6 +91,20 @@ class TransformersBackend:
     def finish(self) -> None:
         """Drops the state kept between turns (called by the rollout when it ends, to free the cache)."""
         self._cache, self._ids, self._mask, self._sequences = None, None, None, None
+
+    def _synced(self) -> bool:
+        # Under DeepSpeed ZeRO-3 or FSDP every `generate` is collective across processes (transformers' synced_gpus).
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(self.model)
+
+    def any_active(self, has_active: bool) -> bool:
+        """Whether any process still has sequences: with collective generation, all keep turning until all are done."""
+        if not self._synced():
+            return has_active
+        flag = torch.tensor([float(has_active)], device=self.model.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
 
     def _continued_rows(self, sequences) -> list[int] | None:
         """Indices of the previous turn's rows that `sequences` continue, in order; `None` if they do not."""
@@ -127,6 +152,12 @@ class TransformersBackend:
         self, sequences: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop_at_code_end: Sequence[bool]
     ) -> list[TurnOutput]:
         device = self.model.device
+        if not sequences:  # done here but not on other processes: take part in their synced forward passes
+            self.finish()
+            one = torch.tensor([[self.pad_token_id]], device=device)
+            self.model.generate(input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=1,
+                                generation_config=self.generation_config, synced_gpus=True)
+            return []
         input_ids, attention_mask, cache = self._batch(sequences, device)
         width = input_ids.shape[1]
         stopper = _TurnStopper(
@@ -157,8 +188,16 @@ class TransformersBackend:
 
     def _keep(self, sequences, output, attention_mask, lengths, new_tokens) -> None:
         cache, ids = output.past_key_values, output.sequences
-        # generate never feeds its last sampled token; if a transformers version did, positions would shift.
-        if cache is None or cache.get_seq_length() != ids.shape[1] - 1:
+        # Holes in the mask are exact only for full attention over a plain dynamic cache: a static cache cannot drop
+        # rows, a sliding window counts the holes as tokens, recurrent layers consume the padding. And generate never
+        # feeds its last sampled token; if a transformers version did, positions would shift.
+        longest = max(len(seq) + len(new) for seq, new in zip(sequences, new_tokens))
+        if (
+            not isinstance(cache, DynamicCache)
+            or any(type(layer) is not DynamicLayer for layer in cache.layers)
+            or cache.get_seq_length() != ids.shape[1] - 1
+            or ids.shape[1] > 2 * longest + 64  # holes have grown: a fresh prefill compacts the batch
+        ):
             self.finish()
             return
         steps = ids.shape[1] - attention_mask.shape[1]
@@ -209,11 +248,17 @@ class VLLMBackend:
         self.code_end = code_end
         self.accelerator = accelerator
         self.profiler = profiler
+        # TRL's helper gathers prompts across processes in server mode and across the tensor-parallel group in
+        # colocate mode; both then need the same number of sequences and the same sampling settings everywhere.
         self.collective = (
             accelerator is not None
             and accelerator.num_processes > 1
-            and getattr(vllm_generation, "mode", "colocate") == "server"
+            and (
+                getattr(vllm_generation, "mode", "colocate") == "server"
+                or getattr(vllm_generation, "tensor_parallel_size", 1) > 1
+            )
         )
+        self._sleep_paused = False
 
     def any_active(self, has_active: bool) -> bool:
         """Whether any process still has sequences to continue (the rollout loops while this holds)."""
@@ -225,19 +270,22 @@ class VLLMBackend:
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end) -> list[TurnOutput]:
         sequences, budgets = [list(s) for s in sequences], list(max_new_tokens)
         real = len(sequences)
-        if self.collective:  # equal counts on every process: the helper slices the gathered batch evenly
-            counts = self.accelerator.gather(torch.tensor([real], device=self.accelerator.device))
-            filler = [self.tokenizer.eos_token_id]
-            sequences += [filler] * (int(counts.max().item()) - real)
-            budgets += [1] * (len(sequences) - real)
+        max_tokens, want_stop = max(budgets, default=1), any(stop_at_code_end)
+        if self.collective:  # same count, max_tokens and stop on every process (the main process's are used)
+            local = torch.tensor([real, max(budgets, default=0), int(want_stop)], device=self.accelerator.device)
+            agreed = self.accelerator.gather(local).view(-1, 3).max(dim=0).values.tolist()
+            total, max_tokens, want_stop = int(agreed[0]), max(int(agreed[1]), 1), bool(agreed[2])
+            sequences += [[self.tokenizer.eos_token_id]] * (total - real)
+            budgets += [1] * (total - real)
         if not sequences:
             return []
+        self._keep_awake()
         helper = self.vllm_generation
         saved = helper.max_completion_length, helper.generation_kwargs
         kwargs = dict(saved[1] or {})
-        if any(stop_at_code_end):
+        if want_stop:
             kwargs.update(stop=[self.code_end], include_stop_str_in_output=True)
-        helper.max_completion_length, helper.generation_kwargs = max(budgets), kwargs
+        helper.max_completion_length, helper.generation_kwargs = max_tokens, kwargs
         try:
             _, completion_ids, logprobs, _ = helper.generate(
                 prompts=sequences,
@@ -256,3 +304,20 @@ class VLLMBackend:
             lps = [lp[0] for lp in logprobs[i][: len(ids)]] if logprobs is not None else None
             outputs.append(TurnOutput(ids, lps))
         return outputs
+
+    def _keep_awake(self) -> None:
+        # With sleep mode, TRL's helper sleeps (and later re-syncs all weights) after every call; a rollout makes a
+        # call per turn, so wake the engine once and put it back to sleep in `finish`.
+        helper = self.vllm_generation
+        if getattr(helper, "mode", None) == "colocate" and getattr(helper, "enable_sleep_mode", False):
+            if helper._llm_weights_sleeping:
+                helper.sync_weights()
+            helper.llm.wake_up(tags=["kv_cache"])
+            helper.enable_sleep_mode, self._sleep_paused = False, True
+
+    def finish(self) -> None:
+        """Called by the rollout at its end: restores the helper's sleep mode."""
+        if self._sleep_paused:
+            helper = self.vllm_generation
+            helper.llm.sleep(level=2)
+            helper._llm_weights_sleeping, helper.enable_sleep_mode, self._sleep_paused = True, True, False

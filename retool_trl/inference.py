@@ -27,6 +27,13 @@ def sandbox_from_config(args):
     )
 
 
+def eos_token_ids_of(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS plus the model's own end-of-turn ids (e.g. `<|im_end|>`), as TRL collects them."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    return [tokenizer.eos_token_id, *(i for i in configured if i is not None and i != tokenizer.eos_token_id)]
+
+
 def generation_config_from(args, tokenizer, eos_token_ids: Sequence[int]) -> GenerationConfig:
     """The sampling settings of a `GRPOConfig` as a transformers `GenerationConfig` (as TRL builds it)."""
     kwargs = dict(
@@ -71,7 +78,7 @@ def generate_with_interpreter(
         sandbox: A sandbox to reuse; by default one is built from `args` and closed afterwards.
         batch_size: Sequences generated together.
     """
-    eos_token_ids = [tokenizer.eos_token_id]
+    eos_token_ids = eos_token_ids_of(model, tokenizer)
     spec = RolloutSpec.from_config(args, eos_token_ids)
     backend = TransformersBackend(
         model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), args.code_end, eos_token_ids

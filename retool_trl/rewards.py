@@ -63,6 +63,7 @@ def boxed_accuracy(
     model_text: Sequence[str] | None = None,
     num_tool_calls: Sequence[int] | None = None,
     infra_failed: Sequence[bool] | None = None,
+    drop_infra_failures: bool | Sequence[bool] | None = None,
     correct_reward: float | Sequence[float] | None = None,
     incorrect_reward: float | Sequence[float] | None = None,
     log_metric=None,
@@ -81,7 +82,8 @@ def boxed_accuracy(
         num_tool_calls: Executions per completion (from the rollout), used to log accuracy with vs without code.
         correct_reward, incorrect_reward: Reward values (the trainer passes `ReToolConfig`'s).
         infra_failed: Per completion, whether a sandbox failure (not the model's fault) survived a retry; such
-            completions get `None` (unscored: TRL gives them zero advantage) instead of `incorrect_reward`.
+            completions get `None` (unscored: TRL gives them zero advantage) instead of `incorrect_reward`, unless
+            `drop_infra_failures` (the trainer passes `ReToolConfig`'s) is False.
         log_metric: TRL's metric logger, passed by the trainer.
     """
     tags = _tags(kwargs)
@@ -99,7 +101,7 @@ def boxed_accuracy(
         if without_code:
             log_metric("retool/accuracy_without_code", sum(without_code) / len(without_code))
     rewards = [good if c else bad for c in correct]
-    if infra_failed is not None:
+    if infra_failed is not None and _scalar(drop_infra_failures, True):
         rewards = [None if failed else r for r, failed in zip(rewards, infra_failed)]
     return rewards
 

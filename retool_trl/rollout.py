@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Protocol
 
-from .parsing import Tags, extract_code, format_interpreter_block, last_boxed, model_prose
+from .parsing import Tags, extract_code, last_boxed, model_prose
 from .sandbox import ExecResult, truncate_output
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
@@ -125,6 +125,7 @@ class _Row:
     code_lines: int = 0
     turns: int = 0
     session: object = None
+    cells: list[str] = field(default_factory=list)  # code run so far, replayed if the session must be replaced
     done: bool = False
 
     def append(self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None) -> None:
@@ -189,12 +190,19 @@ def interleaved_rollout(
             if row.session is not None:
                 row.session.close()
 
-    model_ids = [[t for t, m in zip(r.completion_ids, r.mask) if m] for r in rows]
+    for row in rows:  # TRL reads the last token of every completion: never hand it an empty one
+        if not row.completion_ids:
+            row.append([spec.eos_token_ids[0]], 0, None)
+    # Special tokens (EOS, padding) are dropped from the model's text, but not the tags, even where a tokenizer
+    # registers them as special: reward functions must see where code blocks start and end.
+    tag_ids = {i for t in astuple(spec.tags) for i in tokenizer(t, add_special_tokens=False)["input_ids"]}
+    drop = set(tokenizer.all_special_ids) - tag_ids
+    model_ids = [[t for t, m in zip(r.completion_ids, r.mask) if m and t not in drop] for r in rows]
     return RolloutResult(
         completion_ids=[r.completion_ids for r in rows],
         interpreter_mask=[r.mask for r in rows],
         logprobs=[r.logprobs for r in rows] if have_logprobs else None,
-        model_text=tokenizer.batch_decode(model_ids, skip_special_tokens=True),
+        model_text=tokenizer.batch_decode(model_ids, skip_special_tokens=False),
         num_tool_calls=[r.calls for r in rows],
         num_tool_errors=[r.errors for r in rows],
         num_tool_timeouts=[r.timeouts for r in rows],
@@ -205,6 +213,17 @@ def interleaved_rollout(
         infra_failed=[r.infra_failed for r in rows],
         num_void_turns=[r.void_turns for r in rows],
     )
+
+
+def _encode_interpreter_blocks(tokenizer, outputs: list[str], tags: Tags) -> list[list[int]]:
+    """Token ids of `interpreter_start + output + interpreter_end` for each output.
+
+    The output is encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by code
+    stays text and never becomes a control token; the tags are encoded as the tokenizer defines them.
+    """
+    start, end = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (tags.interpreter_start, tags.interpreter_end))
+    bodies = tokenizer(outputs, add_special_tokens=False, split_special_tokens=True)["input_ids"] if outputs else []
+    return [[*start, *body, *end] for body in bodies]
 
 
 def _run_many(sandbox, pairs) -> list[ExecResult]:
@@ -226,24 +245,32 @@ def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds:
             rows[i].session = sandbox.session()
     results = _run_many(sandbox, [(rows[i].session, code) for i, code in pending])
     # Infrastructure failures (worker lost, service down) are retried once; the snippet's own errors never are.
+    # The failed session may be broken for good, so the retry gets a fresh one with the earlier cells replayed.
     retry = [k for k, result in enumerate(results) if result.infra_error]
     if retry:
-        again = _run_many(sandbox, [(rows[pending[k][0]].session, pending[k][1]) for k in retry])
-        for k, result in zip(retry, again, strict=True):
-            results[k] = result
-            rows[pending[k][0]].infra_failed |= result.infra_error
+        pairs, last = [], []
+        for k in retry:
+            row = rows[pending[k][0]]
+            row.session.close()
+            row.session = sandbox.session()
+            pairs += [(row.session, cell) for cell in row.cells] + [(row.session, pending[k][1])]
+            last.append(len(pairs) - 1)
+        again = _run_many(sandbox, pairs)
+        for k, j in zip(retry, last, strict=True):
+            results[k] = again[j]
+            rows[pending[k][0]].infra_failed |= again[j].infra_error
     blocks = []
     for (i, code), result in zip(pending, results, strict=True):
         row = rows[i]
         row.calls += 1
+        row.cells.append(code)
         row.code_lines += len([line for line in code.splitlines() if line.strip()])
         row.errors += not result.ok
         row.timeouts += bool(result.timed_out)
         row.infra_errors += result.infra_error
         exec_seconds.append(result.duration_s)
-        output = truncate_output(result.output, spec.max_interpreter_output_chars, spec.interpreter_truncation)
-        blocks.append(format_interpreter_block(output, spec.tags))
-    encoded = tokenizer(blocks, add_special_tokens=False)["input_ids"]
+        blocks.append(truncate_output(result.output, spec.max_interpreter_output_chars, spec.interpreter_truncation))
+    encoded = _encode_interpreter_blocks(tokenizer, blocks, spec.tags)
     for (i, _), ids in zip(pending, encoded, strict=True):
         row = rows[i]
         room = spec.max_completion_length - len(row.completion_ids)

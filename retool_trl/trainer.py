@@ -121,6 +121,15 @@ class ReToolTrainer(GRPOTrainer):
         self._rollout_inputs = inputs
         return super()._generate_and_score_completions(inputs)
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.args.drop_infra_failures:
+            # Unscored by every reward function, not only boxed_accuracy: TRL then gives them zero advantage and
+            # leaves them out of the group baseline. Rewards are gathered over processes, so is the flag.
+            failed = torch.tensor([bool(x.get("infra_failed")) for x in inputs], device=rewards.device)
+            rewards[self.accelerator.gather(failed)] = torch.nan
+        return rewards
+
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
         args = self.args
@@ -151,6 +160,7 @@ class ReToolTrainer(GRPOTrainer):
             "correct_reward": args.correct_reward,
             "incorrect_reward": args.incorrect_reward,
             "tool_use_bonus": args.tool_use_bonus,
+            "drop_infra_failures": args.drop_infra_failures,
             "code_start": args.code_start,
             "code_end": args.code_end,
             "interpreter_start": args.interpreter_start,

@@ -58,6 +58,9 @@ def test_private_members_used_by_the_trainer_exist():
     for name in ("_tokenize_prompts", "_generate", "_generate_and_score_completions", "_calculate_rewards"):
         assert callable(getattr(GRPOTrainer, name)), name
     assert list(inspect.signature(GRPOTrainer._tokenize_prompts).parameters) == ["self", "prompts"]
+    assert list(inspect.signature(GRPOTrainer._calculate_rewards).parameters) == [
+        "self", "inputs", "prompts", "completions", "completion_ids_list"
+    ]
     source = inspect.getsource(GRPOTrainer.__init__)
     for attribute in ("self.generation_config", "self.generation_kwargs", "self.eos_token_ids", "self._dist"):
         assert attribute in source, attribute
