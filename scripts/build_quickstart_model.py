@@ -25,15 +25,20 @@ from trl import SFTConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retool_trl.data.synthetic import make_sft_traces  # noqa: E402
-from retool_trl.quickstart import QUICKSTART_MODEL_DIR, QuickstartTask, build_char_tokenizer, build_tiny_model  # noqa: E402
+from retool_trl.quickstart import (  # noqa: E402
+    QUICKSTART_MODEL_DIR,
+    QuickstartTask,
+    build_char_tokenizer,
+    build_tiny_model,
+)
 from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default=str(QUICKSTART_MODEL_DIR), help="Where the checkpoint is saved.")
-    parser.add_argument("--num-traces", type=int, default=16000, help="Synthetic SFT traces.")
-    parser.add_argument("--max-steps", type=int, default=1000, help="SFT optimizer steps.")
+    parser.add_argument("--num-traces", type=int, default=32000, help="Synthetic SFT traces.")
+    parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")

@@ -113,7 +113,8 @@ def test_messages_format_uses_chat_template(chat_tokenizer):
 
 
 def test_messages_need_a_chat_template(tokenizer):
-    dataset = Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]]})
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    dataset = Dataset.from_dict({"messages": [messages]})
     with pytest.raises(ValueError, match="chat template"):
         build_sft_dataset(dataset, tokenizer)
 
@@ -125,7 +126,9 @@ def test_bad_columns(tokenizer):
 
 def test_sft_trainer_labels_and_gradients_skip_prompt_and_interpreter(tokenizer, tmp_path):
     traces = make_sft_traces(16, seed=0, code_fraction=0.5)
-    raw = Dataset.from_dict({"prompt": list(traces["prompt"]) + [PROMPT], "completion": list(traces["completion"]) + [COMPLETION]})
+    raw = Dataset.from_dict(
+        {"prompt": list(traces["prompt"]) + [PROMPT], "completion": list(traces["completion"]) + [COMPLETION]}
+    )
     expected = build_sft_dataset(raw, tokenizer)
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     config = _sft_config(tmp_path)
