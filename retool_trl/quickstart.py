@@ -187,10 +187,10 @@ class QuickstartArguments:
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
 
 
-def _rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool):
+def _rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, **overrides):
     from .config import ReToolConfig
 
-    return ReToolConfig(
+    settings = dict(
         output_dir=str(run_dir),
         max_steps=args.max_steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
@@ -211,6 +211,7 @@ def _rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool):
         bf16=False,
         seed=args.seed,
     )
+    return ReToolConfig(**{**settings, **overrides})
 
 
 def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str) -> dict[str, float]:
@@ -228,16 +229,21 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str) 
     return {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
 
 
-def _train_run(name: str, args: QuickstartArguments, start: str, tokenizer, splits, sandbox, out: Path) -> dict:
-    """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs."""
+def train_run(
+    name: str, args: QuickstartArguments, start: str, tokenizer, splits, sandbox, out: Path, with_tools=None, **overrides
+) -> dict:
+    """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
+
+    `with_tools` defaults to `name == "tool_rl"`; `overrides` are extra `ReToolConfig` fields (ablations).
+    """
     from transformers import AutoModelForCausalLM
 
     from .trainer import ReToolTrainer
 
     run_dir = out / name
-    config = _rl_config(args, run_dir, with_tools=name == "tool_rl")
+    config = _rl_config(args, run_dir, with_tools=name == "tool_rl" if with_tools is None else with_tools, **overrides)
     model = AutoModelForCausalLM.from_pretrained(start)
-    print(f"\n== {name}: {RUNS[name]} ==")
+    print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==")
     before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before")
     started = time.perf_counter()
     trainer = ReToolTrainer(
@@ -353,7 +359,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
     sandbox = sandbox_from_config(_rl_config(args, out / "tool_rl", with_tools=True))
     try:
-        results = {name: _train_run(name, args, start, tokenizer, splits, sandbox, out) for name in RUNS}
+        results = {name: train_run(name, args, start, tokenizer, splits, sandbox, out) for name in RUNS}
     finally:
         sandbox.close()
     histories = {name: results[name].pop("log_history") for name in RUNS}
