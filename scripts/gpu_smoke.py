@@ -16,14 +16,15 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from retool_trl.testing import make_bpe_tokenizer, make_tiny_qwen2
+from retool_trl.quickstart import build_char_tokenizer, build_tiny_model
 
 
 def main():
     tmp = tempfile.mkdtemp(prefix="gpu_smoke_")
-    tokenizer = make_bpe_tokenizer(vocab_size=400)
-    tokenizer.chat_template = None
-    model = make_tiny_qwen2(tokenizer, hidden_size=512, num_layers=8)
+    # Byte-level tokenizer: vLLM reloads it with AutoTokenizer, and this one survives that unchanged.
+    tokenizer = build_char_tokenizer(model_max_length=1024)
+    model = build_tiny_model(tokenizer, hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1536,
+                             max_position_embeddings=1024)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     prompts = [f"Compute {i} * 7 with <code>print({i} * 7)</code>:" for i in range(64)]
