@@ -51,16 +51,19 @@ def scored_inputs(trainer):
     return trainer._generate_and_score_completions(batch())
 
 
-def scripted_trainer(tmp_path, tokenizer, scripts=SCRIPTS, reward_funcs=ramp_reward, **overrides):
-    args = ReToolConfig(**config(tmp_path, **overrides))
-    trainer = ReToolTrainer(
-        save_tiny_model(tmp_path / 'model', tokenizer),
+def make_trainer(tmp_path, tokenizer, reward_funcs=ramp_reward, sandbox=None, **overrides):
+    return ReToolTrainer(
+        save_tiny_model(tmp_path / "model", tokenizer),
         reward_funcs=reward_funcs,
-        args=args,
+        args=ReToolConfig(**config(tmp_path, **overrides)),
         train_dataset=Dataset.from_list(batch(8)),
         processing_class=tokenizer,
-        sandbox=FakeSandbox(),
+        sandbox=sandbox or FakeSandbox(),
     )
+
+
+def scripted_trainer(tmp_path, tokenizer, scripts=SCRIPTS, reward_funcs=ramp_reward, sandbox=None, **overrides):
+    trainer = make_trainer(tmp_path, tokenizer, reward_funcs, sandbox, **overrides)
     trainer._make_generation_backend = lambda model: ScriptedBackend(tokenizer, scripts)
     return trainer
 
@@ -171,41 +174,36 @@ def test_default_reward_ignores_answers_printed_by_code(tmp_path, char_tokenizer
 
 
 def test_train_steps_with_local_sandbox_log_and_save(tmp_path, char_tokenizer):
-    from retool_trl.sandbox import LocalSandbox
+    """Real code execution in the default sandbox (built from the config, owned and closed by the trainer)."""
+    import psutil
 
-    with LocalSandbox(num_workers=2, timeout_s=5.0) as sandbox:
-        args = ReToolConfig(**config(tmp_path, max_steps=2))
-        trainer = ReToolTrainer(
-            save_tiny_model(tmp_path / 'model', char_tokenizer),
-            reward_funcs=None,
-            args=args,
-            train_dataset=Dataset.from_list(batch(8)),
-            processing_class=char_tokenizer,
-            sandbox=sandbox,
-        )
-        trainer._make_generation_backend = lambda model: ScriptedBackend(char_tokenizer, SCRIPTS)
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.train()
-        trainer.save_model(str(tmp_path / "final"))
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "model", char_tokenizer),
+        args=ReToolConfig(**config(tmp_path, max_steps=2, sandbox_workers=2)),
+        train_dataset=Dataset.from_list(batch(8)),
+        processing_class=char_tokenizer,
+    )
+    trainer._make_generation_backend = lambda model: ScriptedBackend(char_tokenizer, SCRIPTS)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
     logs = trainer.state.log_history
     assert len([entry for entry in logs if "loss" in entry]) == 2
     assert any(entry.get("retool/code_ratio") == 0.75 for entry in logs)
+    # 1/0 and a NameError really raised in the sandbox (a traceback can use up a completion's budget, so > 0)
+    assert all(entry.get("retool/error_rate", 1) > 0 for entry in logs)
     assert any("retool/sandbox_latency_ms_mean" in entry for entry in logs)
     assert (tmp_path / "final" / "model.safetensors").exists()
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    # The sandbox workers are gone once train() returns: no leftover or zombie processes.
+    leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
+    assert leftover == [], leftover
 
 
 def test_train_with_real_generate_backend(tmp_path, char_tokenizer):
     """The transformers backend end to end: a random tiny model samples; code, if any, really runs."""
-    args = ReToolConfig(**config(tmp_path, max_steps=1, max_completion_length=24))
-    trainer = ReToolTrainer(
-        save_tiny_model(tmp_path / 'model', char_tokenizer),
-        reward_funcs=None,
-        args=args,
-        train_dataset=Dataset.from_list(batch(8)),
-        processing_class=char_tokenizer,
-        sandbox=FakeSandbox(),
-    )
+    trainer = make_trainer(tmp_path, char_tokenizer, reward_funcs=None, max_steps=1, max_completion_length=24)
     trainer.train()
     assert any("retool/code_ratio" in entry for entry in trainer.state.log_history)
 
