@@ -129,6 +129,13 @@ def plot_log_history(
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
+    return save_figure(fig, output)
+
+
+def save_figure(fig, output: str | Path) -> Path:
+    """Lays out `fig`, writes it as a PNG at `output` (creating folders) and frees it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -277,6 +277,8 @@ def plot_comparison(histories: dict[str, list[dict]], output: str | Path, evals:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    from .plotting import save_figure
+
     def series(history, key, transform=lambda v: v):
         points = [(h["step"], transform(h[key])) for h in history if isinstance(h.get(key), (int, float))]
         return [p[0] for p in points], [p[1] for p in points]
@@ -302,12 +304,7 @@ def plot_comparison(histories: dict[str, list[dict]], output: str | Path, evals:
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    return output
+    return save_figure(fig, output)
 
 
 def _table(summary: dict) -> str:

@@ -49,6 +49,8 @@ def plot(histories: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from retool_trl.plotting import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     for index, (name, history) in enumerate(histories.items()):
         for ax, key in zip(axes, ("retool/code_ratio", "reward")):
@@ -59,9 +61,7 @@ def plot(histories: dict, path: Path) -> None:
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main():
