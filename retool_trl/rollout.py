@@ -116,7 +116,6 @@ class _Row:
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    calls: int = 0
     errors: int = 0
     timeouts: int = 0
     infra_errors: int = 0
@@ -127,6 +126,10 @@ class _Row:
     session: object = None
     cells: list[str] = field(default_factory=list)  # code run so far, replayed if the session must be replaced
     done: bool = False
+
+    @property
+    def calls(self) -> int:
+        return len(self.cells)
 
     def append(self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None) -> None:
         self.completion_ids.extend(ids)
@@ -174,9 +177,10 @@ def interleaved_rollout(
                 row.append(out.token_ids, 1, out.logprobs)
                 code = extract_code(text, spec.tags)
                 ended = not out.token_ids or out.token_ids[-1] in eos
-                if ended or len(row.completion_ids) < spec.max_completion_length:  # a finished, untruncated turn
+                truncated = not ended and len(row.completion_ids) >= spec.max_completion_length
+                if not truncated:  # a finished turn: void if it has neither code nor an answer
                     row.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
-                if ended or len(row.completion_ids) >= spec.max_completion_length:
+                if ended or truncated:
                     row.done = True
                 elif row.calls < spec.max_tool_calls and code is not None:
                     pending.append((i, code))
@@ -262,7 +266,6 @@ def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds:
     blocks = []
     for (i, code), result in zip(pending, results, strict=True):
         row = rows[i]
-        row.calls += 1
         row.cells.append(code)
         row.code_lines += len([line for line in code.splitlines() if line.strip()])
         row.errors += not result.ok
