@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from transformers import GenerationConfig
 
 from .generation import TransformersBackend
+from .parsing import with_system_prompt
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .sandbox import build_sandbox
 
@@ -56,9 +57,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence, system_prompt: str | None = N
     added, `system_prompt` prepended where a conversation has no system message)."""
     if prompts and isinstance(prompts[0], list):
         ids = []
-        for messages in prompts:
-            if system_prompt and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": system_prompt}, *messages]
+        for messages in with_system_prompt(list(prompts), system_prompt):
             ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                           return_dict=False)))
         return ids

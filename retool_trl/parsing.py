@@ -89,3 +89,11 @@ def last_boxed(text: str) -> str | None:
         if depth == 0:
             best = text[match.end() : i - 1]
     return best
+
+
+def with_system_prompt(prompts: list, system_prompt: str | None) -> list:
+    """Prepends `system_prompt` to every conversational prompt that has no system message; plain-text prompts and
+    `None` leave the prompts as they are."""
+    if not system_prompt or not prompts or not isinstance(prompts[0], list):
+        return prompts
+    return [p if p and p[0]["role"] == "system" else [{"role": "system", "content": system_prompt}, *p] for p in prompts]

@@ -57,6 +57,11 @@ def final_answer(completion, model_text: str | None = None, tags: Tags = Tags())
     return last_boxed(model_prose(text, tags))
 
 
+def is_correct(completion, answer: str, model_text: str | None = None, tags: Tags = Tags()) -> bool:
+    """Whether the model's own final `\\boxed{}` answer is equivalent to `answer`."""
+    return is_equivalent(final_answer(completion, model_text, tags), answer)
+
+
 def boxed_accuracy(
     completions: Sequence,
     answer: Sequence[str],
@@ -92,7 +97,7 @@ def boxed_accuracy(
     correct = []
     for i, completion in enumerate(completions):
         text = model_text[i] if model_text is not None else None
-        correct.append(is_equivalent(final_answer(completion, text, tags), answer[i]))
+        correct.append(is_correct(completion, answer[i], text, tags))
     if log_metric is not None and num_tool_calls is not None:
         with_code = [c for c, n in zip(correct, num_tool_calls) if n > 0]
         without_code = [c for c, n in zip(correct, num_tool_calls) if n == 0]
@@ -128,6 +133,6 @@ def tool_use_shaping(
     shaped = []
     for i, completion in enumerate(completions):
         text = model_text[i] if model_text is not None else None
-        wrong = not is_equivalent(final_answer(completion, text, tags), answer[i])
+        wrong = not is_correct(completion, answer[i], text, tags)
         shaped.append(bonus if wrong and num_tool_calls[i] > 0 else 0.0)
     return shaped

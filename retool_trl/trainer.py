@@ -14,7 +14,6 @@ import random
 
 import torch
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
@@ -22,8 +21,8 @@ from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
 from .inference import sandbox_from_config
 from .metrics import rollout_metrics
-from .parsing import Tags
-from .rewards import boxed_accuracy, final_answer, is_equivalent, tool_use_shaping
+from .parsing import Tags, with_system_prompt
+from .rewards import boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 
@@ -83,10 +82,7 @@ class ReToolTrainer(GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------- rollout
     def _with_system_prompt(self, prompts: list) -> list:
-        system = self.args.resolved_system_prompt
-        if system is None or not is_conversational({"prompt": prompts[0]}):
-            return prompts
-        return [p if p and p[0]["role"] == "system" else [{"role": "system", "content": system}, *p] for p in prompts]
+        return with_system_prompt(prompts, self.args.resolved_system_prompt)
 
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
@@ -186,7 +182,7 @@ class ReToolTrainer(GRPOTrainer):
         for g in range(0, len(prompts), group):
             rows = range(g * factor, (g + group) * factor)
             answer = inputs[g]["answer"]
-            correct = [is_equivalent(final_answer(None, result.model_text[r], tags), answer) for r in rows]
+            correct = [is_correct(None, answer, result.model_text[r], tags) for r in rows]
             problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
             keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
         return select_rows(result, keep)
