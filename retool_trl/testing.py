@@ -292,3 +292,16 @@ def assert_rollout_invariants(result: RolloutResult, tokenizer, scripts: Sequenc
         if len(ids) < max_len:
             assert env_text.count(tags.interpreter_start) == env_text.count(tags.interpreter_end)
             assert env_text.count(tags.interpreter_start) == result.num_tool_calls[i]
+
+
+def record_rewards(trainer) -> dict:
+    """Wraps `trainer._calculate_rewards` so each call's reward matrix is kept under `["rewards"]`."""
+    seen = {}
+    original = trainer._calculate_rewards
+
+    def recording(*args):
+        seen["rewards"] = original(*args)
+        return seen["rewards"]
+
+    trainer._calculate_rewards = recording
+    return seen

@@ -16,6 +16,7 @@ from retool_trl.testing import (
     FakeVLLMGeneration,
     ScriptedBackend,
     make_char_tokenizer,
+    record_rewards,
     make_tiny_qwen2,
     save_tiny_model,
 )
@@ -82,14 +83,7 @@ class DownSandbox(FakeSandbox):
 def test_infra_failures_are_unscored_by_every_reward_function(tmp_path, drop):
     scripts = ["<code>print(1)</code>\\boxed{42}", "\\boxed{41}", "\\boxed{42}", "<code>print(2)</code>\\boxed{40}"]
     trainer = trainer_for(tmp_path, scripts, DownSandbox(), tool_use_bonus=0.1, drop_infra_failures=drop)
-    seen = {}
-    original = trainer._calculate_rewards
-
-    def spy(*args):
-        seen["rewards"] = original(*args)
-        return seen["rewards"]
-
-    trainer._calculate_rewards = spy
+    seen = record_rewards(trainer)
     inputs = trainer._generate_and_score_completions([{"prompt": "Q:", "answer": "42"} for _ in range(4)])
     failed_rows = seen["rewards"][[0, 3]]
     if drop:

@@ -11,7 +11,7 @@ from retool_trl.rewards import boxed_accuracy, tool_use_shaping
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 from retool_trl.stability import resample_on_correct
-from retool_trl.testing import FakeSandbox, ScriptedBackend, make_char_tokenizer, save_tiny_model
+from retool_trl.testing import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, save_tiny_model
 
 TOKENIZER = make_char_tokenizer()
 
@@ -86,14 +86,7 @@ def test_infra_failure_is_retried_once():
 def test_persistent_infra_failure_is_dropped_and_never_scored_minus_one(tmp_path):
     scripts = ["<code>print(6*7)</code>\\boxed{42}", "\\boxed{41}", "\\boxed{42}", "\\boxed{40}"]
     trainer = trainer_for(tmp_path, scripts, sandbox=FlakySandbox(failures=2))
-    seen = {}
-    original = trainer._calculate_rewards
-
-    def spy(*args):
-        seen["rewards"] = original(*args)
-        return seen["rewards"]
-
-    trainer._calculate_rewards = spy
+    seen = record_rewards(trainer)
     inputs = trainer._generate_and_score_completions(batch())
     rewards = seen["rewards"][:, 0]
     assert torch.isnan(rewards[0]) and rewards[1:].tolist() == [-1.0, 1.0, -1.0]  # unscored, not -1
