@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation import utils as _generation_utils
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 try:
@@ -24,6 +25,10 @@ except ImportError:  # older transformers 5.x
         return getattr(module, "_is_fsdp_managed_module", False)
 
 from .rollout import TurnOutput
+
+# transformers 5.2x renamed `generate(past_key_values=...)` and `output.past_key_values` to `cache` (the old names go
+# in 6.0); older 5.x releases inside the pinned range only know the old one.
+_CACHE_NAME = "cache" if "cache" in getattr(_generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 class _TurnStopper(StoppingCriteria):
@@ -133,18 +138,27 @@ class TransformersBackend:
                 mask[i, width - len(seq) :] = 1
             return ids.to(device), mask.to(device), None
         index = torch.tensor(rows, device=device)
-        suffixes = [seq[len(self._sequences[j]) :] for seq, j in zip(sequences, rows)]
+        kept_mask = self._mask[index]
+        suffixes = []
+        for i, (seq, j) in enumerate(zip(sequences, rows)):
+            suffix = seq[len(self._sequences[j]) :]
+            if not suffix:
+                # Nothing new (the turn stopped at a code-end tag that opened no block): the next token must be
+                # sampled from this row's last token, so feed it again at the end, after hiding its earlier copy
+                # (the masked key stays in the cache unused; positions follow the mask, so nothing shifts).
+                kept_mask[i, int(kept_mask[i].nonzero().max())] = 0
+                suffix = seq[-1:]
+            suffixes.append(suffix)
         extra = max(len(s) for s in suffixes)
         ids = torch.full((len(sequences), extra), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), extra), dtype=torch.long)
         for i, suffix in enumerate(suffixes):  # right-aligned: the padding hole sits before the new tokens
-            if suffix:
-                ids[i, extra - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
-                mask[i, extra - len(suffix) :] = 1
+            ids[i, extra - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            mask[i, extra - len(suffix) :] = 1
         cache = self._cache
         cache.batch_select_indices(index)
         ids = torch.cat([self._ids[index], ids.to(device)], dim=1)
-        mask = torch.cat([self._mask[index], mask.to(device)], dim=1)
+        mask = torch.cat([kept_mask, mask.to(device)], dim=1)
         return ids, mask, cache
 
     @torch.no_grad()
@@ -175,10 +189,10 @@ class TransformersBackend:
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([stopper]),
             logits_processor=self.logits_processor() if callable(self.logits_processor) else self.logits_processor,
+            **{_CACHE_NAME: cache},
         )
         lengths = [n if n >= 0 else budget for n, budget in zip(stopper.stop_len.tolist(), max_new_tokens)]
         new_tokens = [tokens[:n] for tokens, n in zip(output.sequences[:, width:].tolist(), lengths, strict=True)]
@@ -187,7 +201,7 @@ class TransformersBackend:
         return [TurnOutput(tokens) for tokens in new_tokens]
 
     def _keep(self, sequences, output, attention_mask, lengths, new_tokens) -> None:
-        cache, ids = output.past_key_values, output.sequences
+        cache, ids = getattr(output, _CACHE_NAME), output.sequences
         # Holes in the mask are exact only for full attention over a plain dynamic cache: a static cache cannot drop
         # rows, a sliding window counts the holes as tokens, recurrent layers consume the padding. And generate never
         # feeds its last sampled token; if a transformers version did, positions would shift.
