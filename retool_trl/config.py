@@ -208,12 +208,18 @@ class ReToolConfig(GRPOConfig):
                 f"included), got {self.max_completion_length}."
             )
         generation_kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        for key in ("num_beams", "num_return_sequences"):
-            if generation_kwargs.get(key, 1) != 1:
-                raise ValueError(
-                    f"ReToolConfig.generation_kwargs[{key!r}] must be 1: the interleaved rollout samples one "
-                    "sequence per completion (use num_generations for more samples)."
-                )
+        if generation_kwargs.get("num_beams", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
+                "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
+                "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
+            )
+        if generation_kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
+                "completion after its code runs, one sequence per completion. Use num_generations for more samples "
+                "per prompt."
+            )
         prompt = self.system_prompt
         if prompt is not None and prompt.strip().lower() != "none" and prompt not in SYSTEM_PROMPTS:
             if prompt.isidentifier():  # a name, not a prompt: most likely a typo of a shipped one

@@ -72,10 +72,42 @@ def model_prose(text: str, tags: Tags = Tags()) -> str:
     """The text the model wrote outside code and interpreter blocks.
 
     This is where a final answer counts: a `\\boxed{}` printed by code (inside an interpreter block) or written in a
-    code block is not the model's answer.
+    code block is not the model's answer. Blocks are read left to right, as they were written: inside a code block
+    an interpreter tag is just code (a string literal, a comment), and an interpreter block ends at the first
+    `interpreter_end` (the rollout defangs the tags in the output it splices in, so that one is the real end). An
+    unclosed block runs to the end of the text.
     """
-    text = remove_spans(text, tags.interpreter_start, tags.interpreter_end)
-    return remove_spans(text, tags.code_start, tags.code_end)
+    spans = ((tags.code_start, tags.code_end), (tags.interpreter_start, tags.interpreter_end))
+    pieces, pos = [], 0
+    while True:
+        found = [(text.find(start, pos), start, end) for start, end in spans]
+        found = [f for f in found if f[0] >= 0]
+        if not found:
+            pieces.append(text[pos:])
+            return "".join(pieces)
+        begin, start, end = min(found)
+        pieces.append(text[pos:begin])
+        close = text.find(end, begin + len(start))
+        if close < 0:
+            return "".join(pieces)
+        pos = close + len(end)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_output(output: str, tags: Tags = Tags()) -> str:
+    """Interpreter output made safe to splice into the completion.
+
+    Lone surrogates (from `print(chr(0xD800))`) become U+FFFD, so the text can be encoded; and every tag the output
+    contains is defanged with a zero-width space after its first character, so that printed text can neither close
+    the interpreter block early (and pass off what follows as the model's prose) nor open a code block.
+    """
+    output = _LONE_SURROGATE.sub("\ufffd", output)
+    for tag in (tags.interpreter_end, tags.interpreter_start, tags.code_end, tags.code_start):
+        if tag in output:
+            output = output.replace(tag, f"{tag[0]}\u200b{tag[1:]}")
+    return output
 
 
 def last_boxed(text: str) -> str | None:

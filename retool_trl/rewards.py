@@ -1,14 +1,18 @@
 """Reward functions with TRL's signature (`prompts`, `completions`, dataset columns and rollout facts as kwargs).
 
-The rollout hands every reward function these per-completion kwargs (see `retool_trl.rollout.ROLLOUT_FIELDS`):
-`model_text` (the text the policy wrote, interpreter output removed), `num_tool_calls`, `num_tool_errors`,
-`num_tool_timeouts` and `num_infra_errors`.
+The rollout hands every reward function these per-completion kwargs, and nothing else of its own (see
+`retool_trl.rollout.ROLLOUT_FIELDS`): `model_text` (the text the policy wrote, interpreter output removed),
+`num_tool_calls`, `num_tool_errors`, `num_tool_timeouts`, `num_infra_errors`, `infra_failed` and `num_void_turns`.
+The built-in rewards take their settings (reward values, tags, ...) from `ReToolConfig` through `bind_config`, not
+from kwargs, so a user reward with a parameter of the same name never receives ReTool's value.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from math_verify import LatexExtractionConfig, parse, verify
 
@@ -20,20 +24,6 @@ def _completion_text(completion) -> str:
         return completion
     # Conversational completion: a list of messages; the assistant's content is what the model wrote.
     return "".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
-
-
-def _scalar(value, default):
-    # TRL passes every input column as a per-sample list, so config scalars arrive repeated.
-    if value is None:
-        return default
-    if isinstance(value, (list, tuple)):
-        return value[0] if value else default
-    return value
-
-
-def _tags(kwargs) -> Tags:
-    # The trainer passes its configured tags to every reward function; defaults otherwise.
-    return Tags(**{k: _scalar(kwargs[k], None) for k in Tags.__dataclass_fields__ if kwargs.get(k) is not None})
 
 
 def is_equivalent(prediction: str | None, gold: str) -> bool:
@@ -52,7 +42,11 @@ def is_equivalent(prediction: str | None, gold: str) -> bool:
 
 
 def final_answer(completion, model_text: str | None = None, tags: Tags = Tags()) -> str | None:
-    """The last `\\boxed{}` in the model's own prose (outside code and interpreter blocks)."""
+    """The last `\\boxed{}` in the model's own prose (outside code and interpreter blocks).
+
+    `model_text` (from the rollout) holds only the policy's tokens. Without it the completion as TRL decoded it is
+    read, interpreter output included: the rollout defangs any tag that output prints, so the blocks still parse.
+    """
     text = model_text if model_text is not None else _completion_text(completion)
     return last_boxed(model_prose(text, tags))
 
@@ -68,12 +62,14 @@ def boxed_accuracy(
     model_text: Sequence[str] | None = None,
     num_tool_calls: Sequence[int] | None = None,
     infra_failed: Sequence[bool] | None = None,
-    drop_infra_failures: bool | Sequence[bool] | None = None,
-    correct_reward: float | Sequence[float] | None = None,
-    incorrect_reward: float | Sequence[float] | None = None,
     log_metric=None,
+    *,
+    correct_reward: float = 1.0,
+    incorrect_reward: float = -1.0,
+    drop_infra_failures: bool = True,
+    tags: Tags = Tags(),
     **kwargs,
-) -> list[float]:
+) -> list[float | None]:
     r"""ReTool's outcome reward: `correct_reward` (+1) if the last `\boxed{}` the model wrote is equivalent to the
     gold `answer` (math-verify), else `incorrect_reward` (-1).
 
@@ -85,15 +81,13 @@ def boxed_accuracy(
         answer: Gold answers, one per completion (the dataset's `answer` column).
         model_text: Text written by the policy (from the rollout); if absent it is recovered from `completions`.
         num_tool_calls: Executions per completion (from the rollout), used to log accuracy with vs without code.
-        correct_reward, incorrect_reward: Reward values (the trainer passes `ReToolConfig`'s).
         infra_failed: Per completion, whether a sandbox failure (not the model's fault) survived a retry; such
             completions get `None` (unscored: TRL gives them zero advantage) instead of `incorrect_reward`, unless
-            `drop_infra_failures` (the trainer passes `ReToolConfig`'s) is False.
+            `drop_infra_failures` is False.
         log_metric: TRL's metric logger, passed by the trainer.
+        correct_reward, incorrect_reward, drop_infra_failures, tags: Settings; `ReToolTrainer` binds
+            `ReToolConfig`'s (see `bind_config`).
     """
-    tags = _tags(kwargs)
-    good = float(_scalar(correct_reward, 1.0))
-    bad = float(_scalar(incorrect_reward, -1.0))
     correct = []
     for i, completion in enumerate(completions):
         text = model_text[i] if model_text is not None else None
@@ -105,8 +99,8 @@ def boxed_accuracy(
             log_metric("retool/accuracy_with_code", sum(with_code) / len(with_code))
         if without_code:
             log_metric("retool/accuracy_without_code", sum(without_code) / len(without_code))
-    rewards = [good if c else bad for c in correct]
-    if infra_failed is not None and _scalar(drop_infra_failures, True):
+    rewards = [float(correct_reward) if c else float(incorrect_reward) for c in correct]
+    if infra_failed is not None and drop_infra_failures:
         rewards = [None if failed else r for r, failed in zip(rewards, infra_failed)]
     return rewards
 
@@ -116,7 +110,9 @@ def tool_use_shaping(
     answer: Sequence[str],
     num_tool_calls: Sequence[int],
     model_text: Sequence[str] | None = None,
-    tool_use_bonus: float | Sequence[float] | None = None,
+    *,
+    tool_use_bonus: float = 0.1,
+    tags: Tags = Tags(),
     **kwargs,
 ) -> list[float]:
     r"""Reward shaping used by the verl and slime ReTool recipes: `tool_use_bonus` for a *wrong* answer that called
@@ -126,13 +122,40 @@ def tool_use_shaping(
     Args:
         completions, answer, model_text: As for `boxed_accuracy`.
         num_tool_calls: Executions per completion (from the rollout).
-        tool_use_bonus: The bonus (the trainer passes `ReToolConfig.tool_use_bonus`; default 0.1).
+        tool_use_bonus, tags: Settings; `ReToolTrainer` binds `ReToolConfig`'s (see `bind_config`).
     """
-    tags = _tags(kwargs)
-    bonus = float(_scalar(tool_use_bonus, 0.1))
+    bonus = float(tool_use_bonus)
     shaped = []
     for i, completion in enumerate(completions):
         text = model_text[i] if model_text is not None else None
         wrong = not is_correct(completion, answer[i], text, tags)
         shaped.append(bonus if wrong and num_tool_calls[i] > 0 else 0.0)
     return shaped
+
+
+BUILTIN_REWARDS = (boxed_accuracy, tool_use_shaping)
+
+
+def bind_config(func: Callable, args) -> Callable:
+    """`func` with its settings taken from `args` (a `ReToolConfig`) when it is one of ReTool's built-in rewards.
+
+    The settings are bound here rather than passed as kwargs, so they never reach other reward functions, and they
+    win over a dataset column of the same name. Other reward functions are returned unchanged.
+    """
+    if func not in BUILTIN_REWARDS:
+        return func
+    settings = {
+        "correct_reward": args.correct_reward,
+        "incorrect_reward": args.incorrect_reward,
+        "drop_infra_failures": args.drop_infra_failures,
+        "tool_use_bonus": args.tool_use_bonus,
+        "tags": Tags.from_config(args),
+    }
+    accepted = inspect.signature(func).parameters
+    settings = {name: value for name, value in settings.items() if name in accepted}
+
+    @functools.wraps(func)  # keeps the name TRL logs the reward under
+    def configured(*call_args, **kwargs):
+        return func(*call_args, **{**kwargs, **settings})
+
+    return configured

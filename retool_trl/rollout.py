@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Protocol
 
-from .parsing import Tags, extract_code, last_boxed, model_prose
+from .parsing import Tags, clean_output, extract_code, last_boxed, model_prose
 from .sandbox import ExecResult, truncate_output
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
@@ -168,7 +168,7 @@ def interleaved_rollout(
                 [spec.max_completion_length - len(rows[i].completion_ids) for i in active],
                 [rows[i].calls < spec.max_tool_calls for i in active],
             )
-            texts = tokenizer.batch_decode([out.token_ids for out in outputs], skip_special_tokens=False)
+            texts = _decode(tokenizer, [out.token_ids for out in outputs])
             pending: list[tuple[int, str]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
                 row = rows[i]
@@ -206,7 +206,7 @@ def interleaved_rollout(
         completion_ids=[r.completion_ids for r in rows],
         interpreter_mask=[r.mask for r in rows],
         logprobs=[r.logprobs for r in rows] if have_logprobs else None,
-        model_text=tokenizer.batch_decode(model_ids, skip_special_tokens=False),
+        model_text=_decode(tokenizer, model_ids),
         num_tool_calls=[r.calls for r in rows],
         num_tool_errors=[r.errors for r in rows],
         num_tool_timeouts=[r.timeouts for r in rows],
@@ -217,6 +217,12 @@ def interleaved_rollout(
         infra_failed=[r.infra_failed for r in rows],
         num_void_turns=[r.void_turns for r in rows],
     )
+
+
+def _decode(tokenizer, ids: list[list[int]]) -> list[str]:
+    # Never ask the tokenizer about an empty batch: some transformers releases decode `[]` to `[""]`. A process can
+    # have no active row in a turn that is collective across processes (vLLM server mode, ZeRO-3, FSDP).
+    return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
 
 
 def _encode_interpreter_blocks(tokenizer, outputs: list[str], tags: Tags) -> list[list[int]]:
@@ -272,7 +278,8 @@ def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds:
         row.timeouts += bool(result.timed_out)
         row.infra_errors += result.infra_error
         exec_seconds.append(result.duration_s)
-        blocks.append(truncate_output(result.output, spec.max_interpreter_output_chars, spec.interpreter_truncation))
+        output = clean_output(result.output, spec.tags)  # valid text whose tags cannot end the block early
+        blocks.append(truncate_output(output, spec.max_interpreter_output_chars, spec.interpreter_truncation))
     encoded = _encode_interpreter_blocks(tokenizer, blocks, spec.tags)
     for (i, _), ids in zip(pending, encoded, strict=True):
         row = rows[i]

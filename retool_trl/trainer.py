@@ -22,7 +22,7 @@ from .generation import TransformersBackend, VLLMBackend
 from .inference import sandbox_from_config
 from .metrics import rollout_metrics
 from .parsing import Tags, with_system_prompt
-from .rewards import boxed_accuracy, is_correct, tool_use_shaping
+from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 
@@ -52,6 +52,9 @@ class ReToolTrainer(GRPOTrainer):
             if kwargs.get(conflicting) is not None:
                 raise ValueError(f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported.")
         reward_funcs = _with_shaping(reward_funcs if reward_funcs is not None else [boxed_accuracy], args)
+        datasets = [kwargs.get("train_dataset"), kwargs.get("eval_dataset"), *pos[:2]]  # by keyword or position
+        _check_answer_column(reward_funcs, *datasets)
+        reward_funcs = [bind_config(func, args) for func in reward_funcs]
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
@@ -59,6 +62,7 @@ class ReToolTrainer(GRPOTrainer):
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
         self._rollout_inputs: list[dict] = []
+        self._dropped: list[bool] = []
         self._roc_rng = random.Random(args.seed)
 
     # ----------------------------------------------------------------------------------------------- sandbox
@@ -115,7 +119,12 @@ class ReToolTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
         self._rollout_inputs = inputs
-        return super()._generate_and_score_completions(inputs)
+        output = super()._generate_and_score_completions(inputs)
+        # Rows dropped from the loss (void turns, infrastructure failures) leave it here, after TRL has logged their
+        # real lengths: an all-zero env_mask would have been logged as an empty completion.
+        if any(self._dropped):
+            output["tool_mask"][torch.tensor(self._dropped, device=output["tool_mask"].device)] = 0
+        return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -138,7 +147,7 @@ class ReToolTrainer(GRPOTrainer):
             result = self._generate_rollout(prompt_ids)
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
-        env_mask = [[0] * len(mask) if drop else mask for mask, drop in zip(result.interpreter_mask, dropped)]
+        self._dropped = list(dropped)
         metrics = rollout_metrics(result, self.accelerator.gather)
         metrics["retool/dropped_from_loss_ratio"] = self.accelerator.gather(
             torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device)
@@ -150,17 +159,10 @@ class ReToolTrainer(GRPOTrainer):
             "prompt_ids": prompt_ids,
             "completion_ids": result.completion_ids,
             "logprobs": result.logprobs,
-            "env_mask": env_mask,
+            "env_mask": result.interpreter_mask,
+            # Per-completion facts only: TRL hands them to every reward function as kwargs (and writes them into the
+            # batch rows). Settings of the built-in rewards are bound from the config instead (`bind_config`).
             **result.extra_fields(),
-            # Scalars reach every reward function as kwargs; `boxed_accuracy` and `tool_use_shaping` read them.
-            "correct_reward": args.correct_reward,
-            "incorrect_reward": args.incorrect_reward,
-            "tool_use_bonus": args.tool_use_bonus,
-            "drop_infra_failures": args.drop_infra_failures,
-            "code_start": args.code_start,
-            "code_end": args.code_end,
-            "interpreter_start": args.interpreter_start,
-            "interpreter_end": args.interpreter_end,
         }
 
     def _resample_on_correct(self, prompts: list, prompt_ids: list[list[int]]) -> RolloutResult:
@@ -186,6 +188,23 @@ class ReToolTrainer(GRPOTrainer):
             problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
             keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
         return select_rows(result, keep)
+
+
+def _check_answer_column(reward_funcs, *datasets) -> None:
+    """The built-in rewards score against an `answer` column: fail now, naming it, rather than at the first step."""
+    needing = [func.__name__ for func in reward_funcs if func in BUILTIN_REWARDS]
+    if not needing:
+        return
+    for dataset in datasets:
+        for split, data in (dataset.items() if isinstance(dataset, dict) else [(None, dataset)]):
+            columns = getattr(data, "column_names", None)
+            if columns is not None and "answer" not in columns:
+                where = "a dataset" if split is None else f"the eval dataset {split!r}"
+                raise ValueError(
+                    f"The reward {needing[0]!r} (boxed_accuracy is the default when reward_funcs=None) needs an "
+                    f"`answer` column with the gold answers, but {where} has only the columns {sorted(columns)}: "
+                    "rename the column that holds them to `answer`, or pass your own reward_funcs."
+                )
 
 
 def _with_shaping(reward_funcs, args: ReToolConfig) -> list:

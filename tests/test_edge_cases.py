@@ -135,7 +135,10 @@ def test_cache_is_really_reused_on_the_next_turn():
     seqs = [[5, 6, 7, *first[0].token_ids, 10, 11], [8, 9, *first[1].token_ids]]
     ids, mask, cache = b._batch(seqs, "cpu")
     assert cache is kept  # continued from the kept cache, not a fresh prefill
-    assert mask[1, -2:].tolist() == [0, 0]  # the row without new tokens has a masked hole
+    # The row without new tokens is fed its last token again (its earlier copy hidden), so the next token is
+    # sampled from that token's state, never from a masked hole.
+    assert mask[1, -2:].tolist() == [0, 1] and ids[1, -1].item() == seqs[1][-1]
+    assert mask.sum(dim=1).tolist() == [len(s) for s in seqs]
 
 
 @pytest.mark.parametrize("config", [{"cache_implementation": "static"}, {"repetition_penalty": 1.3}])

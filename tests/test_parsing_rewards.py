@@ -68,7 +68,7 @@ def test_boxed_accuracy_counts_only_the_models_own_answer():
     assert boxed_accuracy(completions, ["42"] * 4) == [1.0, -1.0, 1.0, -1.0]
     # model_text (from the rollout) wins over the completion text
     assert boxed_accuracy(["\\boxed{1}"], ["42"], model_text=["\\boxed{42}"]) == [1.0]
-    assert boxed_accuracy(["\\boxed{1}"], ["1"], correct_reward=[2.0], incorrect_reward=[0.0]) == [2.0]
+    assert boxed_accuracy(["\\boxed{1}", "\\boxed{2}"], ["1"] * 2, correct_reward=2.0, incorrect_reward=0.0) == [2.0, 0.0]
 
 
 def test_boxed_accuracy_logs_accuracy_with_and_without_code():

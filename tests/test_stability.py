@@ -109,7 +109,7 @@ def test_tool_use_shaping_rewards_only_wrong_answers_that_called_code():
 
 def test_tool_use_bonus_adds_the_reward_and_is_bounded(tmp_path):
     trainer = trainer_for(tmp_path, ["x"] * 4, tool_use_bonus=0.1)
-    assert trainer.reward_funcs[-1] is tool_use_shaping
+    assert trainer.reward_funcs[-1].__wrapped__ is tool_use_shaping  # bound to the config by the trainer
     with pytest.raises(ValueError, match="tool_use_bonus"):
         ReToolConfig(output_dir=str(tmp_path), tool_use_bonus=1.5, use_cpu=True, bf16=False)
 
