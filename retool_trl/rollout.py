@@ -137,6 +137,33 @@ class _Row:
         # Environment tokens were not sampled; 0.0 is a placeholder that the mask keeps out of every loss term.
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
+    def take_turn(self, out: TurnOutput, text: str, spec: RolloutSpec, eos: set[int]) -> str | None:
+        """Appends a generated turn (`text` is its decoded tokens); returns the code to run now, if any."""
+        self.turns += 1
+        self.append(out.token_ids, 1, out.logprobs)
+        code = extract_code(text, spec.tags)
+        ended = not out.token_ids or out.token_ids[-1] in eos
+        truncated = not ended and len(self.completion_ids) >= spec.max_completion_length
+        if not truncated:  # a finished turn: void if it has neither code nor an answer
+            self.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
+        if ended or truncated:
+            self.done = True
+            return None
+        # A code-end tag without an open code block (or past the call limit) is plain text: the model continues.
+        return code if self.calls < spec.max_tool_calls else None
+
+    def take_result(self, code: str, result: ExecResult, block_ids: list[int], spec: RolloutSpec) -> None:
+        """Records an executed cell and appends its interpreter block (mask 0)."""
+        self.cells.append(code)
+        self.code_lines += len([line for line in code.splitlines() if line.strip()])
+        self.errors += not result.ok
+        self.timeouts += bool(result.timed_out)
+        self.infra_errors += result.infra_error
+        room = spec.max_completion_length - len(self.completion_ids)
+        self.append(block_ids[:room], 0, None)
+        # Out of budget inside (or right after) the interpreter block: the completion ends truncated.
+        self.done = len(block_ids) >= room
+
 
 def interleaved_rollout(
     prompt_ids: Sequence[Sequence[int]],
@@ -169,23 +196,18 @@ def interleaved_rollout(
                 [rows[i].calls < spec.max_tool_calls for i in active],
             )
             texts = _decode(tokenizer, [out.token_ids for out in outputs])
-            pending: list[tuple[int, str]] = []
+            pending: list[tuple[_Row, str]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
-                row = rows[i]
-                row.turns += 1
                 have_logprobs &= out.logprobs is not None
-                row.append(out.token_ids, 1, out.logprobs)
-                code = extract_code(text, spec.tags)
-                ended = not out.token_ids or out.token_ids[-1] in eos
-                truncated = not ended and len(row.completion_ids) >= spec.max_completion_length
-                if not truncated:  # a finished turn: void if it has neither code nor an answer
-                    row.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
-                if ended or truncated:
-                    row.done = True
-                elif row.calls < spec.max_tool_calls and code is not None:
-                    pending.append((i, code))
-                # else: a code-end tag without an open code block is plain text; the model just continues.
-            _execute(rows, pending, sandbox, tokenizer, spec, exec_seconds)
+                code = rows[i].take_turn(out, text, spec, eos)
+                if code is not None:
+                    pending.append((rows[i], code))
+            if pending:
+                results = run_cells(sandbox, pending)
+                blocks = interpreter_blocks(tokenizer, [result.output for result in results], spec)
+                for (row, code), result, block in zip(pending, results, blocks, strict=True):
+                    row.take_result(code, result, block, spec)
+                    exec_seconds.append(result.duration_s)
             active = [i for i in active if not rows[i].done]
     finally:
         if hasattr(backend, "finish"):  # let the backend free what it kept between turns (e.g. a KV cache)
@@ -194,6 +216,11 @@ def interleaved_rollout(
             if row.session is not None:
                 row.session.close()
 
+    return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs)
+
+
+def rollout_result(rows, tokenizer, spec: RolloutSpec, exec_seconds: list[float], have_logprobs: bool) -> RolloutResult:
+    """The finished rows as a `RolloutResult` (shared by the barrier and the async rollout)."""
     for row in rows:  # TRL reads the last token of every completion: never hand it an empty one
         if not row.completion_ids:
             row.append([spec.eos_token_ids[0]], 0, None)
@@ -225,15 +252,23 @@ def _decode(tokenizer, ids: list[list[int]]) -> list[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
 
 
-def _encode_interpreter_blocks(tokenizer, outputs: list[str], tags: Tags) -> list[list[int]]:
-    """Token ids of `interpreter_start + output + interpreter_end` for each output.
+def interpreter_blocks(tokenizer, outputs: list[str], spec: RolloutSpec) -> list[list[int]]:
+    """Token ids of `interpreter_start + output + interpreter_end` for each raw sandbox output.
 
-    The output is encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by code
-    stays text and never becomes a control token; the tags are encoded as the tokenizer defines them.
+    The output is cleaned first (valid text, tags defanged) and truncated to `max_interpreter_output_chars`, then
+    encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by code stays text and
+    never becomes a control token; the tags are encoded as the tokenizer defines them.
     """
+    if not outputs:  # never call the tokenizer on an empty batch
+        return []
+    tags = spec.tags
+    bodies = [
+        truncate_output(clean_output(output, tags), spec.max_interpreter_output_chars, spec.interpreter_truncation)
+        for output in outputs
+    ]
     start, end = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (tags.interpreter_start, tags.interpreter_end))
-    bodies = tokenizer(outputs, add_special_tokens=False, split_special_tokens=True)["input_ids"] if outputs else []
-    return [[*start, *body, *end] for body in bodies]
+    encoded = tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [[*start, *body, *end] for body in encoded]
 
 
 def _run_many(sandbox, pairs) -> list[ExecResult]:
@@ -246,44 +281,28 @@ def _run_many(sandbox, pairs) -> list[ExecResult]:
         return [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)] * len(pairs)
 
 
-def _execute(rows, pending, sandbox, tokenizer, spec: RolloutSpec, exec_seconds: list[float]) -> None:
-    """Runs the batch's pending snippets concurrently and appends each interpreter block (mask 0)."""
-    if not pending:
-        return
-    for i, _ in pending:
-        if rows[i].session is None:
-            rows[i].session = sandbox.session()
-    results = _run_many(sandbox, [(rows[i].session, code) for i, code in pending])
-    # Infrastructure failures (worker lost, service down) are retried once; the snippet's own errors never are.
-    # The failed session may be broken for good, so the retry gets a fresh one with the earlier cells replayed.
+def run_cells(sandbox, pending: Sequence[tuple[_Row, str]]) -> list[ExecResult]:
+    """Runs each row's new cell (concurrently, one `run_many`), in the row's session (opened on first use).
+
+    Infrastructure failures (worker lost, service down) are retried once; the snippet's own errors never are. The
+    failed session may be broken for good, so the retry gets a fresh one with the row's earlier cells replayed. A
+    failure that survives the retry marks the row `infra_failed`.
+    """
+    for row, _ in pending:
+        if row.session is None:
+            row.session = sandbox.session()
+    results = _run_many(sandbox, [(row.session, code) for row, code in pending])
     retry = [k for k, result in enumerate(results) if result.infra_error]
     if retry:
         pairs, last = [], []
         for k in retry:
-            row = rows[pending[k][0]]
+            row, code = pending[k]
             row.session.close()
             row.session = sandbox.session()
-            pairs += [(row.session, cell) for cell in row.cells] + [(row.session, pending[k][1])]
+            pairs += [(row.session, cell) for cell in row.cells] + [(row.session, code)]
             last.append(len(pairs) - 1)
         again = _run_many(sandbox, pairs)
         for k, j in zip(retry, last, strict=True):
             results[k] = again[j]
-            rows[pending[k][0]].infra_failed |= again[j].infra_error
-    blocks = []
-    for (i, code), result in zip(pending, results, strict=True):
-        row = rows[i]
-        row.cells.append(code)
-        row.code_lines += len([line for line in code.splitlines() if line.strip()])
-        row.errors += not result.ok
-        row.timeouts += bool(result.timed_out)
-        row.infra_errors += result.infra_error
-        exec_seconds.append(result.duration_s)
-        output = clean_output(result.output, spec.tags)  # valid text whose tags cannot end the block early
-        blocks.append(truncate_output(output, spec.max_interpreter_output_chars, spec.interpreter_truncation))
-    encoded = _encode_interpreter_blocks(tokenizer, blocks, spec.tags)
-    for (i, _), ids in zip(pending, encoded, strict=True):
-        row = rows[i]
-        room = spec.max_completion_length - len(row.completion_ids)
-        row.append(ids[:room], 0, None)
-        # Out of budget inside (or right after) the interpreter block: the completion ends truncated.
-        row.done = len(ids) >= room
+            pending[k][0].infra_failed |= again[j].infra_error
+    return results
