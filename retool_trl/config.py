@@ -85,6 +85,19 @@ class ReToolConfig(GRPOConfig):
             "choices": list(_TRUNCATION_SIDES),
         },
     )
+    rollout_mode: str = field(
+        default="async",
+        metadata={
+            "help": "'async': each completion runs its own generate/execute loop and continues as soon as its own "
+            "snippet returns (vLLM server mode; elsewhere the barrier loop is used). 'barrier': every turn waits "
+            "for all sequences and snippets of the batch.",
+            "choices": ["async", "barrier"],
+        },
+    )
+    rollout_concurrency: int = field(
+        default=256,
+        metadata={"help": "Async rollout: completions in flight at once on each process (requests to the server)."},
+    )
     sandbox_backend: str = field(
         default="local",
         metadata={"help": "Code execution backend: 'local' (worker pool) or 'remote' (SandboxFusion HTTP API).",
@@ -178,6 +191,10 @@ class ReToolConfig(GRPOConfig):
                 f"ReToolConfig.interpreter_truncation must be one of {_TRUNCATION_SIDES}, got "
                 f"{self.interpreter_truncation!r}."
             )
+        if self.rollout_mode not in ("async", "barrier"):
+            raise ValueError(f"ReToolConfig.rollout_mode must be 'async' or 'barrier', got {self.rollout_mode!r}.")
+        if self.rollout_concurrency < 1:
+            raise ValueError(f"ReToolConfig.rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
         if self.sandbox_backend not in _SANDBOX_BACKENDS:
             raise ValueError(
                 f"ReToolConfig.sandbox_backend must be one of {_SANDBOX_BACKENDS}, got {self.sandbox_backend!r}."

@@ -17,6 +17,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
+from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
 from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
 from .inference import sandbox_from_config
@@ -91,6 +92,14 @@ class ReToolTrainer(GRPOTrainer):
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
         spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
+        if self.use_vllm and self.args.rollout_mode == "async" and self.vllm_generation.mode == "server":
+            # Each completion its own loop against the continuously batching server; every process sends its own
+            # requests (the server batches them), so no collective call is needed. Weights were synced by TRL.
+            with profiling_context(self, "vLLM.async_rollout"):
+                return async_rollout(
+                    prompt_ids, self._make_async_engine(), self.sandbox, self._tokenizer, spec,
+                    self.args.rollout_concurrency,
+                )
         if self.use_vllm:  # TRL's `_generate` already synced the weights before calling the rollout
             backend = VLLMBackend(
                 self.vllm_generation,
@@ -109,6 +118,17 @@ class ReToolTrainer(GRPOTrainer):
         ) as unwrapped_model, self._dist.summon_full_params(self.model_wrapped, recurse=False):
             backend = self._make_generation_backend(unwrapped_model)
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
+
+    def _make_async_engine(self):
+        """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint."""
+        return CompletionsEngine(
+            _server_url(self.args),
+            self._tokenizer,
+            self.args.code_end,
+            sampling=sampling_from_vllm(self.vllm_generation),
+            timeout_s=self.args.vllm_server_timeout,
+            max_connections=self.args.rollout_concurrency,
+        )
 
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
@@ -188,6 +208,13 @@ class ReToolTrainer(GRPOTrainer):
             problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
             keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
         return select_rows(result, keep)
+
+
+def _server_url(args) -> str:
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
 
 
 def _check_answer_column(reward_funcs, *datasets) -> None:

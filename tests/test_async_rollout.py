@@ -1,0 +1,259 @@
+"""The async rollout: each completion its own loop, same tokens/mask/facts as the barrier loop, failures as today."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from retool_trl.async_rollout import CompletionsEngine, EngineError, async_rollout
+from retool_trl.rewards import boxed_accuracy
+from retool_trl.rollout import RolloutSpec, TurnOutput, interleaved_rollout
+from retool_trl.sandbox import ExecResult, LocalSandbox
+from retool_trl.testing import ScriptedBackend, make_char_tokenizer
+
+TOKENIZER = make_char_tokenizer()
+SCRIPTS = [
+    "<code>x = 6 * 7\nprint(x)</code>so<code>print(x + 1)</code>\\boxed{42}",
+    "\\boxed{41}",
+    "<code>slow(0.3)\nprint(1)</code>then<code>print(2)</code>and<code>print(3)</code>\\boxed{3}",
+    "stray</code>then <code>1/0</code>oops \\boxed{0}",
+]
+
+
+class AsyncScripted:
+    """An async engine writing fixed scripts (the barrier loop's `ScriptedBackend`, one sequence per request), with
+    a delay per token; records when each request starts and ends."""
+
+    def __init__(self, scripts, seconds_per_token=0.0, fail_on=None):
+        self.scripted = ScriptedBackend(TOKENIZER, scripts)
+        self.scripted.calls.append(0)  # match every request by its sequence, as for a continued turn
+        self.scripted.last_sequence = [TOKENIZER("Q:", add_special_tokens=False)["input_ids"] for _ in scripts]
+        self.delay = seconds_per_token
+        self.fail_on = fail_on  # (row, turn) whose request fails
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, int, float]] = []
+        self.turns = [0] * len(scripts)
+
+    async def generate(self, token_ids, max_tokens, stop_at_code_end):
+        with self.lock:
+            row = self.scripted._match([token_ids])[0]
+            self.turns[row] += 1
+            self.events.append(("request", row, time.monotonic()))
+            if self.fail_on == (row, self.turns[row]):
+                raise EngineError("ConnectError: connection dropped")
+            saved = self.scripted.calls
+            [out] = self.scripted.generate_turn([token_ids], [max_tokens], [stop_at_code_end])
+            self.scripted.calls = saved
+        await asyncio.sleep(self.delay * len(out.token_ids))
+        return out
+
+
+class ThreadSafeSandbox:
+    """Runs cells in-process with real `exec` and its own stdout per session; `slow(s)` sleeps `s` seconds."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str, float]] = []
+        self.lock = threading.Lock()
+
+    class _Session:
+        def __init__(self, sandbox):
+            self.sandbox, self.closed, self.out = sandbox, False, []
+            self.globals = {"print": lambda *a: self.out.append(" ".join(map(str, a)) + "\n"), "slow": time.sleep}
+
+        def close(self):
+            self.closed = True
+
+    def session(self):
+        return self._Session(self)
+
+    def run_many(self, pairs):
+        results = []
+        for session, code in pairs:
+            with self.lock:
+                self.events.append(("start", code, time.monotonic()))
+            session.out.clear()
+            try:
+                exec(code, session.globals)
+                results.append(ExecResult("".join(session.out), True, False, 0.0))
+            except Exception as exc:  # noqa: BLE001
+                results.append(ExecResult("".join(session.out) + f"{type(exc).__name__}: {exc}\n", False, False, 0.0))
+            with self.lock:
+                self.events.append(("end", code, time.monotonic()))
+        return results
+
+    def close(self):
+        pass
+
+
+def prompts(n):
+    return [TOKENIZER("Q:", add_special_tokens=False)["input_ids"] for _ in range(n)]
+
+
+SPEC = RolloutSpec(max_completion_length=200, eos_token_ids=[TOKENIZER.eos_token_id], max_tool_calls=4)
+
+
+def test_same_tokens_mask_logprobs_and_facts_as_the_barrier_loop():
+    barrier = interleaved_rollout(prompts(4), ScriptedBackend(TOKENIZER, SCRIPTS), ThreadSafeSandbox(), TOKENIZER, SPEC)
+    result = async_rollout(prompts(4), AsyncScripted(SCRIPTS), ThreadSafeSandbox(), TOKENIZER, SPEC)
+    assert result.completion_ids == barrier.completion_ids
+    assert result.interpreter_mask == barrier.interpreter_mask
+    assert result.logprobs == barrier.logprobs
+    assert result.extra_fields() == barrier.extra_fields()
+    assert result.num_tool_calls == [2, 0, 3, 1]
+    assert sorted(result.exec_seconds) == sorted(barrier.exec_seconds)
+
+
+def test_a_slow_snippet_does_not_hold_back_the_others():
+    engine, sandbox = AsyncScripted(SCRIPTS, seconds_per_token=0.001), ThreadSafeSandbox()
+    async_rollout(prompts(4), engine, sandbox, TOKENIZER, SPEC)
+    slow_end = next(t for kind, code, t in sandbox.events if kind == "end" and code.startswith("slow"))
+    # Row 0 ran both its cells and asked for its last turn while row 2's slow snippet was still running.
+    row0_requests = [t for kind, row, t in engine.events if kind == "request" and row == 0]
+    assert len(row0_requests) == 3 and row0_requests[-1] < slow_end
+    # ...and row 3 ran its snippet in that time too.
+    row3_cell = next(t for kind, code, t in sandbox.events if kind == "start" and code == "1/0")
+    assert row3_cell < slow_end
+
+
+def test_concurrency_bound_is_kept():
+    in_flight, peak = [0], [0]
+
+    class Counting(AsyncScripted):
+        async def generate(self, *args):
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+            try:
+                return await super().generate(*args)
+            finally:
+                in_flight[0] -= 1
+
+    async_rollout(prompts(4), Counting(SCRIPTS, seconds_per_token=0.001), ThreadSafeSandbox(), TOKENIZER, SPEC,
+                  max_concurrency=2)
+    assert peak[0] == 2
+
+
+def test_dropped_connection_is_infrastructure_never_minus_one():
+    engine = AsyncScripted(SCRIPTS, fail_on=(0, 2))  # row 0's second turn: the connection drops
+    result = async_rollout(prompts(4), engine, ThreadSafeSandbox(), TOKENIZER, SPEC)
+    assert result.infra_failed == [True, False, False, False]
+    assert result.num_infra_errors[0] == 1
+    rewards = boxed_accuracy([""] * 4, ["42", "41", "3", "0"], model_text=result.model_text,
+                             infra_failed=result.infra_failed)
+    assert rewards == [None, 1.0, 1.0, 1.0]
+
+
+def test_real_sandbox_timeout_is_the_snippets_error_and_sessions_keep_state():
+    scripts = ["<code>while True: pass</code>\\boxed{1}", "<code>y = 5</code>a<code>print(y * 2)</code>\\boxed{10}"]
+    with LocalSandbox(num_workers=2, timeout_s=1.0) as sandbox:
+        result = async_rollout(prompts(2), AsyncScripted(scripts), sandbox, TOKENIZER, SPEC)
+    assert result.num_tool_timeouts == [1, 0] and result.infra_failed == [False, False]
+    assert result.num_tool_errors == [1, 0]
+    env = [TOKENIZER.decode([t for t, m in zip(ids, mask) if not m])
+           for ids, mask in zip(result.completion_ids, result.interpreter_mask)]
+    assert "10" in env[1]
+
+
+# ------------------------------------------------------------------- the HTTP client, against httpx's mock transport
+def completions_server(replies, seen):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "policy"}]})
+        body = json.loads(request.content)
+        seen.append(body)
+        reply = replies.pop(0)
+        if isinstance(reply, int):
+            return httpx.Response(reply, json={"error": "boom"})
+        ids = TOKENIZER(reply, add_special_tokens=False)["input_ids"]
+        return httpx.Response(200, json={"choices": [
+            {"token_ids": ids, "logprobs": {"token_logprobs": [-t / 100 for t in ids]}, "finish_reason": "stop"}
+        ]})
+
+    return httpx.MockTransport(handler)
+
+
+def test_completions_engine_request_and_reply():
+    seen = []
+    transport = completions_server(["<code>print(1)</code>tail", "done"], seen)
+    engine = CompletionsEngine("http://127.0.0.1:9", TOKENIZER, "</code>", sampling={"temperature": 0.7, "top_k": 5},
+                               transport=transport)
+
+    async def two_turns():
+        async with engine:
+            first = await engine.generate([1, 2, 3], 50, True)
+            second = await engine.generate([1, 2, 3, 4], 7, False)
+        return first, second
+
+    first, second = asyncio.run(two_turns())
+    assert TOKENIZER.decode(first.token_ids) == "<code>print(1)</code>"  # tokens past the stop are cut
+    assert first.logprobs == [-t / 100 for t in first.token_ids]
+    assert seen[0]["prompt"] == [1, 2, 3] and seen[0]["max_tokens"] == 50 and seen[0]["model"] == "policy"
+    assert seen[0]["stop"] == ["</code>"] and seen[0]["include_stop_str_in_output"] is True
+    assert seen[0]["temperature"] == 0.7 and seen[0]["top_k"] == 5 and seen[0]["n"] == 1
+    assert "stop" not in seen[1] and seen[1]["max_tokens"] == 7
+    assert TOKENIZER.decode(second.token_ids) == "done"
+
+
+@pytest.mark.parametrize("failure", [500, "connect"])
+def test_completions_engine_failures_raise_engine_error(failure):
+    if failure == "connect":
+        def handler(request):
+            raise httpx.ConnectError("connection refused", request=request)
+        transport = httpx.MockTransport(handler)
+    else:
+        transport = completions_server([failure], [])
+    engine = CompletionsEngine("http://127.0.0.1:9", TOKENIZER, "</code>", model="policy", transport=transport)
+
+    async def one():
+        async with engine:
+            return await engine.generate([1], 5, True)
+
+    with pytest.raises(EngineError):
+        asyncio.run(one())
+
+
+def test_runs_inside_a_running_event_loop():
+    async def notebook():
+        return async_rollout(prompts(2), AsyncScripted(SCRIPTS[:2]), ThreadSafeSandbox(), TOKENIZER, SPEC)
+
+    assert asyncio.run(notebook()).num_tool_calls == [2, 0]
+
+
+def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
+    import torch
+    from datasets import Dataset
+
+    from retool_trl import ReToolConfig, ReToolTrainer
+    from retool_trl.testing import FakeSandbox, FakeVLLMGeneration, save_tiny_model
+
+    class Logprobs(AsyncScripted):  # vLLM-style sampling logprobs: -token/1000, to check alignment
+        async def generate(self, *args):
+            out = await super().generate(*args)
+            return TurnOutput(out.token_ids, [-t / 1000 for t in out.token_ids])
+
+    scripts = SCRIPTS[:2] + SCRIPTS[3:]
+    args = ReToolConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,
+                        max_completion_length=96, report_to="none", bf16=False, use_cpu=True)
+    assert args.rollout_mode == "async"
+    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", TOKENIZER), reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
+                            args=args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
+                            processing_class=TOKENIZER, sandbox=FakeSandbox())
+    helper = FakeVLLMGeneration(TOKENIZER, scripts)
+    helper.mode = "server"  # the barrier helper must not be called: every turn goes through the async engine
+    helper.generate = None
+    engines = []
+    trainer._make_async_engine = lambda: engines.append(Logprobs(scripts)) or engines[-1]
+    trainer.use_vllm, trainer.vllm_generation = True, helper
+    trainer._last_loaded_step = 0
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._generate_and_score_completions([{"prompt": "Q:"}] * 3)
+    assert len(engines) == 1 and engines[0].turns == [3, 1, 3]
+    tool_mask, ids, real = inputs["tool_mask"].bool(), inputs["completion_ids"], inputs["completion_mask"].bool()
+    assert (~tool_mask & real).any()
+    assert torch.allclose(inputs["sampling_per_token_logps"][tool_mask & real], -ids[tool_mask & real].float() / 1000)
+    assert torch.all(inputs["importance_sampling_ratio"][~tool_mask & real] == 1.0)
