@@ -1,0 +1,298 @@
+"""Async vs barrier rollout, and ReTool vs TRL's own `tools=` loop, on a real vLLM server (one run, side by side).
+
+A straggler workload, as real runs have: B completions, each with 2-4 code calls, turns of different lengths and
+long-tailed snippet latencies (most a few ms, some 100-300 ms; the snippets really sleep, in the local sandbox).
+The policy text is forced with vLLM's structured outputs (a regex per turn), so every mode runs the same tokens through
+the same engine; the last turn of each completion is left to the model (greedy), so `same_outputs` also compares what
+the model writes after identical contexts.
+
+1. barrier: `interleaved_rollout` whose turns send every active sequence's request at once and wait for all, then
+   run all snippets at once and wait for all (the barrier of today's loop, with the same requests);
+2. async: `async_rollout`, each completion its own loop;
+3. TRL: `GRPOTrainer(tools=[work])._generate` with the same server, a tiny model given TRL's bundled Qwen3
+   tool-calling chat template and its special tokens, every turn forced to one tool call: the same number of calls
+   per completion and the same latencies, in TRL's loop.
+
+Run with the engines' environment (`bash scripts/test_engines.sh` builds it):
+
+    .venv-engines/bin/python scripts/bench_async_rollout.py [--batch 32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import httpx  # noqa: E402
+
+from retool_trl.async_rollout import CompletionsEngine, async_rollout  # noqa: E402
+from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.sandbox import LocalSandbox  # noqa: E402
+
+CALLS = (2, 3, 4)
+
+
+# ----------------------------------------------------------------------------------------------------- the model
+def build_model(path: Path):
+    """A tiny random Qwen2 whose tokenizer is the quickstart's byte-level BPE plus the Qwen3 chat template (TRL's
+    bundled copy, which TRL's tool loop knows how to parse) and that template's special tokens."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from retool_trl.quickstart import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    specials = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                "<think>", "</think>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = qwen3_chat_template
+    tokenizer.eos_token = "<|im_end|>"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+class Server:
+    """TRL's vLLM server for this CPU build (`scripts/vllm_serve.py`) on 127.0.0.1, in its own process group."""
+
+    def __init__(self, model: Path, log: Path):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, str(Path(__file__).with_name("vllm_serve.py")), "--model", str(model), "--host",
+                   "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce_eager", "--max_model_len",
+                   "2048"]
+        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited; see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"the vLLM server did not start; see {log}")
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            self.process.wait(timeout=60)
+        self.log.close()
+
+
+# ----------------------------------------------------------------------------------------------------- the workload
+def make_workload(batch: int, seed: int):
+    """Per completion: a prompt, the forced turns (prose + a cell that sleeps), and the latencies of its calls."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(batch):
+        calls = CALLS[i % len(CALLS)]
+        latencies = [rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(calls)]
+        turns = [
+            f"Step {k}: " + "let me check this part " * rng.randint(0, 4)
+            + f"<code>import time\ntime.sleep({latency:.3f})\nprint({k})</code>"
+            for k, latency in enumerate(latencies)
+        ]
+        rows.append({"prompt": f"Problem {i:03d}:", "turns": turns, "latencies": latencies})
+    return rows
+
+
+class ForcedEngine(CompletionsEngine):
+    """The completions engine, with each sequence's next scripted turn forced by a regex (greedy); once a sequence
+    has used its script, the model writes on its own."""
+
+    def __init__(self, *args, scripts: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scripts = scripts  # prompt ids (tuple) -> list of turn texts
+        self.turns: dict = {}
+        self.key_len = len(next(iter(scripts)))
+
+    async def generate(self, token_ids, max_tokens, stop_at_code_end):
+        key = tuple(token_ids[: self.key_len])
+        turn = self.turns.get(key, 0)
+        self.turns[key] = turn + 1
+        script = self.scripts[key]
+        saved = self.sampling
+        if turn < len(script):
+            self.sampling = {**saved, "structured_outputs": {"regex": re.escape(script[turn])}}
+        try:
+            return await super().generate(token_ids, max_tokens, stop_at_code_end)
+        finally:
+            self.sampling = saved
+
+
+class BarrierOverEngine:
+    """Today's barrier, with the same requests: a turn sends every active sequence's request at once and returns
+    when the last one is back (the rollout then runs every snippet at once and waits for the last)."""
+
+    def __init__(self, engine):
+        self.engine, self.loop = engine, asyncio.new_event_loop()
+        self.loop.run_until_complete(engine.__aenter__())
+
+    def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
+        async def all_rows():
+            return await asyncio.gather(*(self.engine.generate(list(s), n, stop)
+                                          for s, n, stop in zip(sequences, max_new_tokens, stop_at_code_end)))
+
+        return self.loop.run_until_complete(all_rows())
+
+    def close(self):
+        self.loop.run_until_complete(self.engine.__aexit__(None, None, None))
+        self.loop.close()
+
+
+def retool_modes(url, tokenizer, workload, max_len):
+    prompts = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in workload]
+    assert len({tuple(p) for p in prompts}) == len(prompts) and len({len(p) for p in prompts}) == 1
+    spec = RolloutSpec(max_completion_length=max_len, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=4,
+                       max_interpreter_output_chars=256)
+
+    def engine():
+        scripts = {tuple(p): row["turns"] for p, row in zip(prompts, workload)}
+        return ForcedEngine(url, tokenizer, "</code>", sampling={"temperature": 0.0}, scripts=scripts)
+
+    results, seconds = {}, {}
+    with LocalSandbox(num_workers=2, timeout_s=5.0) as sandbox:
+        sandbox.session().run("print(1)")  # the zygote is up before the clock starts
+        for mode in ("barrier", "async", "barrier", "async"):  # alternated, best of two
+            started = time.perf_counter()
+            if mode == "async":
+                result = async_rollout(prompts, engine(), sandbox, tokenizer, spec, max_concurrency=len(prompts))
+            else:
+                backend = BarrierOverEngine(engine())
+                try:
+                    result = interleaved_rollout(prompts, backend, sandbox, tokenizer, spec)
+                finally:
+                    backend.close()
+            elapsed = time.perf_counter() - started
+            seconds[mode] = min(seconds.get(mode, float("inf")), elapsed)
+            results[mode] = result
+    return results, seconds
+
+
+# ----------------------------------------------------------------------------------------------------- TRL's loop
+def trl_tools(url, model_dir, workload, max_len):
+    """TRL's `GRPOTrainer(tools=...)` rollout against the same server: every turn forced to one tool call, as many
+    calls per completion as ours, each call sleeping the same latencies (TRL runs sync tools one after another)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.generation import vllm_client
+
+    latencies = [latency for row in workload for latency in row["latencies"]]
+    calls = iter(latencies)
+
+    def work() -> str:
+        """Runs the next piece of work.
+
+        Returns:
+            What the work printed.
+        """
+        time.sleep(next(calls))
+        return "done"
+
+    # No NCCL on this CPU: the benchmark never syncs weights, so the communicator TRL opens at start-up is skipped.
+    vllm_client.VLLMClient.init_communicator = lambda self, device=None: None
+    tool_call = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'
+    per_row = sorted({len(row["latencies"]) for row in workload})
+    assert len(per_row) == 1, "TRL's loop gives every completion the same number of calls"
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+        per_device_train_batch_size=len(workload), num_generations=len(workload), max_completion_length=max_len,
+        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(tool_call)}, "temperature": 0.0},
+        max_tool_calling_iterations=per_row[0], report_to="none", use_cpu=True, bf16=False,
+    )
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Work."}]}] * len(workload))
+    trainer = GRPOTrainer(str(model_dir), reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                          args=args, train_dataset=dataset, tools=[work])
+    trainer._last_loaded_step = trainer.state.global_step  # nothing to sync
+    prompts = [[{"role": "user", "content": "Work."}] for _ in workload]
+    started = time.perf_counter()
+    _, completion_ids, tool_mask, *_ = trainer._generate(prompts)
+    elapsed = time.perf_counter() - started
+    return elapsed, trainer._metrics["train"].get("tools/call_frequency"), sum(len(ids) for ids in completion_ids)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip-trl", action="store_true", help="Skip TRL's tools= loop.")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        tokenizer = build_model(model_dir)
+        server = Server(model_dir, Path(tmp) / "server.log")
+        try:
+            workload = make_workload(args.batch, args.seed)
+            results, seconds = retool_modes(server.url, tokenizer, workload, args.max_len)
+            same = (results["async"].completion_ids == results["barrier"].completion_ids
+                    and results["async"].interpreter_mask == results["barrier"].interpreter_mask
+                    and results["async"].extra_fields() == results["barrier"].extra_fields())
+            calls = sum(results["async"].num_tool_calls)
+            tokens = sum(len(ids) for ids in results["async"].completion_ids)
+            trl = None
+            if not args.skip_trl:
+                fixed = [{**row, "latencies": row["latencies"][:3] + row["latencies"][:1] * (3 - len(row["latencies"]))}
+                         for row in workload]  # 3 calls each, for TRL and for ours
+                fixed = [{**row, "turns": row["turns"][:3]} for row in fixed]
+                for row in fixed:
+                    row["turns"] = [re.sub(r"time\.sleep\([0-9.]+\)", f"time.sleep({lat:.3f})", turn)
+                                    for turn, lat in zip(row["turns"], row["latencies"])]
+                trl_seconds, trl_frequency, trl_tokens = trl_tools(server.url, model_dir, fixed, args.max_len)
+                ours, ours_seconds = retool_modes(server.url, tokenizer, fixed, args.max_len)
+                trl = {"trl_seconds": trl_seconds, "ours_seconds": ours_seconds["async"], "calls": 3 * len(fixed),
+                       "trl_tokens": trl_tokens, "trl_call_frequency": trl_frequency}
+        finally:
+            server.stop()
+
+    summary = {
+        "async_vs_barrier": seconds["barrier"] / seconds["async"],
+        "same_outputs": bool(same),
+        "barrier_seconds": seconds["barrier"],
+        "async_seconds": seconds["async"],
+        "batch": args.batch,
+        "calls": calls,
+        "tokens": tokens,
+        "snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
+    }
+    print(f"{'rollout':<40}{'wall s':>10}{'x async':>10}")
+    print(f"{'barrier (per-turn wait)':<40}{seconds['barrier']:>10.2f}{summary['async_vs_barrier']:>10.2f}")
+    print(f"{'async (each completion its own loop)':<40}{seconds['async']:>10.2f}{1.0:>10.2f}")
+    if trl is not None:
+        summary["trl_tools_vs_retool"] = trl["trl_seconds"] / trl["ours_seconds"]
+        summary.update({f"trl_{k}" if not k.startswith("trl") else k: v for k, v in trl.items()})
+        print(f"{'TRL tools= loop (3 calls each)':<40}{trl['trl_seconds']:>10.2f}{summary['trl_tools_vs_retool']:>10.2f}")
+        print(f"{'ReTool async (3 calls each)':<40}{trl['ours_seconds']:>10.2f}{1.0:>10.2f}")
+    print(f"B={args.batch}, {calls} calls, {tokens} completion tokens, same outputs: {summary['same_outputs']}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
