@@ -7,21 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-# System prompts shipped with the package. `ReToolConfig.system_prompt` takes one of these names, a literal prompt,
-# or "none". Written for this project; the format is the ReTool paper's.
-SYSTEM_PROMPTS: dict[str, str] = {
-    "retool": (
-        "Solve the problem step by step. You have a Python interpreter: to run code, write it between {code_start} "
-        "and {code_end}. Generation stops after {code_end}, the code runs in a persistent session (variables and "
-        "imports carry over between calls), and what it prints is returned between {interpreter_start} and "
-        "{interpreter_end}. Use the interpreter for exact computation and to check your reasoning; print the values "
-        "you need. When you are done, write the final answer once as \\boxed{{answer}}."
-    ),
-    "retool_concise": (
-        "Use Python between {code_start} and {code_end} for any computation; its output appears between "
-        "{interpreter_start} and {interpreter_end}. End with the final answer in \\boxed{{}}."
-    ),
-}
+from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 
 _TRUNCATION_SIDES = ("head", "tail", "middle")
 _SANDBOX_BACKENDS = ("local", "remote")
@@ -57,15 +43,15 @@ class ReToolConfig(GRPOConfig):
             Values of [`~retool_trl.rewards.boxed_accuracy`] (ReTool: +1 / -1).
     """
 
-    code_start: str = field(default="<code>", metadata={"help": "Tag that opens a code block written by the model."})
+    code_start: str = field(default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."})
     code_end: str = field(
-        default="</code>", metadata={"help": "Tag that closes a code block; generation stops right after it."}
+        default=Tags.code_end, metadata={"help": "Tag that closes a code block; generation stops right after it."}
     )
     interpreter_start: str = field(
-        default="<interpreter>", metadata={"help": "Tag that opens the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_start, metadata={"help": "Tag that opens the interpreter output inserted by the rollout."}
     )
     interpreter_end: str = field(
-        default="</interpreter>", metadata={"help": "Tag that closes the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_end, metadata={"help": "Tag that closes the interpreter output inserted by the rollout."}
     )
     max_tool_calls: int = field(
         default=8,
@@ -225,14 +211,4 @@ class ReToolConfig(GRPOConfig):
     @property
     def resolved_system_prompt(self) -> str | None:
         """The system prompt text with the configured tags filled in, or `None`."""
-        if self.system_prompt is None or self.system_prompt.strip().lower() == "none":
-            return None
-        template = SYSTEM_PROMPTS.get(self.system_prompt)
-        if template is None:
-            return self.system_prompt  # a literal prompt, used as written
-        return template.format(
-            code_start=self.code_start,
-            code_end=self.code_end,
-            interpreter_start=self.interpreter_start,
-            interpreter_end=self.interpreter_end,
-        )
+        return resolve_system_prompt(self.system_prompt, Tags.from_config(self))

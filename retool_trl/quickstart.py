@@ -377,7 +377,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """`retool-trl quickstart [--output-dir DIR] [--max-steps N] ...`: every [`QuickstartArguments`] field."""
-    from .cli import UserError
+    from .errors import UserError
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, no usage block (the CLI prints it)

@@ -11,8 +11,11 @@ import pytest
 import torch
 import yaml
 
-from retool_trl import cli
-from retool_trl.cli import load_tokenizer, main
+from retool_trl.cli import eval as cli_eval
+from retool_trl.cli import main
+from retool_trl.cli import sft as cli_sft
+from retool_trl.cli import train as cli_train
+from retool_trl.tokenizer_checks import load_tokenizer
 from retool_trl.parsing import remove_spans
 from retool_trl.testing import make_char_tokenizer, save_tiny_model
 
@@ -77,9 +80,9 @@ def sft_config(work, tmp_path, **overrides) -> str:
     return write_yaml(tmp_path / "sft.yaml", **values)
 
 
-def spy_on(monkeypatch, name):
-    """Keeps the trainer that `cli.<name>` builds (and a copy of its parameters before training)."""
-    real, seen = getattr(cli, name), {}
+def spy_on(monkeypatch, command, name):
+    """Keeps the trainer that `command.<name>` builds (and a copy of its parameters before training)."""
+    real, seen = getattr(command, name), {}
 
     def spy(argv):
         trainer = real(argv)
@@ -87,7 +90,7 @@ def spy_on(monkeypatch, name):
         seen["before"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         return trainer
 
-    monkeypatch.setattr(cli, name, spy)
+    monkeypatch.setattr(command, name, spy)
     return seen
 
 
@@ -103,7 +106,7 @@ def test_usage_and_help(capsys):
 
 def test_train_lora_two_steps(work, tmp_path, monkeypatch):
     monkeypatch.chdir(work)  # the dotted reward path is imported from the working directory, as in TRL
-    seen = spy_on(monkeypatch, "build_train")
+    seen = spy_on(monkeypatch, cli_train, "build_train")
     cfg = train_config(work, tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
                        reward_funcs=["cli_rewards.ramp", "boxed_accuracy"])
     assert main(["train", "--config", cfg, "--learning_rate", "0.01"]) == 0
@@ -126,7 +129,7 @@ def test_train_lora_two_steps(work, tmp_path, monkeypatch):
 
 
 def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch):
-    seen = spy_on(monkeypatch, "build_sft")
+    seen = spy_on(monkeypatch, cli_sft, "build_sft")
     assert main(["sft", "--config", sft_config(work, tmp_path)]) == 0
     trainer = seen["trainer"]
     tok = trainer.processing_class
@@ -151,7 +154,7 @@ def test_sft_on_retool_sft_messages(work, tmp_path):
                                              {"role": "assistant", "content": assistant}]}) + "\n")
     cfg = sft_config(work, tmp_path, model_name_or_path=str(work / "chat_model"), dataset_name=str(path),
                      system_prompt="retool_concise", max_length=1024)
-    trainer = cli.build_sft(["--config", cfg])
+    trainer = cli_sft.build_sft(["--config", cfg])
     tok = trainer.processing_class
     batch = trainer.data_collator([trainer.train_dataset[0]])
     ids, labels = batch["input_ids"][0], batch["labels"][0]
@@ -231,7 +234,7 @@ def no_model_loading(monkeypatch):
 
     monkeypatch.setattr(retool_trl.trainer, "ReToolTrainer", refuse)
     monkeypatch.setattr(retool_trl.sft, "build_sft_trainer", refuse)
-    monkeypatch.setattr(cli, "_load_eval_model", refuse)
+    monkeypatch.setattr(cli_eval, "load_eval_model", refuse)
 
 
 def expect_error(capsys, argv, *fragments):
@@ -255,7 +258,9 @@ TRAIN_CASES = {
     "yaml float for int": ({"max_steps": 2.5}, [], ["'max_steps'", "must be an integer"]),
     "yaml list for scalar": ({"max_steps": [1, 2]}, [], ["'max_steps'", "takes a single value"]),
     "yaml yes/no": ({"report_to": False}, [], ["'report_to'", "quote the value"]),
-    "yaml bad choice": ({"prompt_format": "chat"}, [], ["'prompt_format'", "one of ['conversational', 'plain']"]),
+    "yaml bad choice": (
+        {"prompt_format": "chat"}, [], ["'prompt_format'", "one of ['auto', 'conversational', 'plain']"]
+    ),
     "cli wrong type": ({}, ["--max_steps", "x"], ["--max_steps", "invalid int value: 'x'"]),
     "config check": ({}, ["--max_tool_calls", "-1"], ["max_tool_calls must be >= 0"]),
     "bf16 on cpu": ({"bf16": True, "use_cpu": False}, [], ["bf16", "set `bf16: false`"]),

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retool_trl.cli import build_train, parse_sft_args, parse_train_args
+from retool_trl.cli.sft import parse_sft_args
+from retool_trl.cli.train import build_train, parse_train_args
 from retool_trl.data import find_known_dataset, is_local_dataset
 from retool_trl.testing import make_char_tokenizer, save_tiny_model
 
