@@ -44,11 +44,23 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the `sys.stderr` of the moment (which tests and notebooks replace), not the one at creation."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _show_info_logs() -> None:
     # The commands report choices they make for the user (e.g. `prompt_format: auto`) at INFO level.
     logger = logging.getLogger("retool_trl")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[retool-trl] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
