@@ -165,7 +165,8 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
     import torch
     from tqdm.auto import tqdm
 
-    from .inference import eos_token_ids_of, generate_with_interpreter, sandbox_from_config
+    from .inference import eos_token_ids_of, generate_with_interpreter
+    from .sandbox.factory import sandbox_from_config
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]

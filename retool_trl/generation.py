@@ -23,7 +23,7 @@ except ImportError:  # older transformers 5.x
     def is_fsdp_managed_module(module) -> bool:
         return getattr(module, "_is_fsdp_managed_module", False)
 
-from .rollout import TurnOutput
+from .types import TurnOutput
 
 
 class _TurnStopper(StoppingCriteria):

@@ -341,7 +341,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     from transformers import AutoTokenizer
 
     from .data.synthetic import make_splits
-    from .inference import sandbox_from_config
+    from .sandbox.factory import sandbox_from_config
 
     args = QuickstartArguments(output_dir=str(output_dir), **kwargs)
     started = time.perf_counter()

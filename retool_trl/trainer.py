@@ -19,7 +19,7 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
-from .inference import sandbox_from_config
+from .sandbox.factory import sandbox_from_config
 from .metrics import rollout_metrics
 from .parsing import Tags, with_system_prompt
 from .rewards import boxed_accuracy, is_correct, tool_use_shaping
