@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LogitsProcessor, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from .parsing import Tags
-from .rollout import RolloutResult, TurnOutput
+from .rollout import RolloutResult
+from .types import TurnOutput
 from .sandbox import ExecResult
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
