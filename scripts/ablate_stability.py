@@ -76,8 +76,8 @@ def main():
     from transformers import AutoTokenizer
 
     from retool_trl.data.synthetic import make_splits
-    from retool_trl.sandbox.factory import sandbox_from_config
     from retool_trl.quickstart import QuickstartArguments, QuickstartTask, _rl_config, model_path, train_run
+    from retool_trl.sandbox.factory import sandbox_from_config
 
     names = options.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]

@@ -33,10 +33,10 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from retool_trl import ReToolConfig, ReToolTrainer  # noqa: E402
 from retool_trl.parsing import format_interpreter_block  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.testing import (  # noqa: E402
+from retool_trl.tiny import (  # noqa: E402
     ScriptForcingProcessor,
-    make_char_tokenizer,
-    make_tiny_qwen2,
+    build_char_tokenizer,
+    build_tiny_model,
     script_turns,
 )
 
@@ -133,7 +133,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # the sandbox workers get the other core
 
-    tokenizer = make_char_tokenizer()
+    tokenizer = build_char_tokenizer(model_max_length=1024)
     prompts, scripts, full_texts = workload(args.batch)
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     tool_turns = {tuple(p): script_turns(tokenizer, s) for p, s in zip(prompt_ids, scripts)}
@@ -143,9 +143,11 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="bench_rollout_")
     model_dir = os.path.join(tmp, "model")
-    make_tiny_qwen2(tokenizer, hidden_size=256, num_layers=8, seed=0).save_pretrained(model_dir)
+    model = build_tiny_model(tokenizer, hidden_size=256, num_layers=8, num_key_value_heads=2, intermediate_size=512,
+                             max_position_embeddings=1024, seed=0)
+    model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    n_params = sum(p.numel() for p in make_tiny_qwen2(tokenizer, hidden_size=256, num_layers=8).parameters())
+    n_params = sum(p.numel() for p in model.parameters())
     dataset = Dataset.from_list([{"prompt": p, "answer": "0"} for p in prompts])
     reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
 

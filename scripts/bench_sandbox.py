@@ -20,12 +20,9 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.sandbox.local import DEFAULT_PRELOAD  # noqa: E402
+from retool_trl.sandbox import LocalSandbox
+from retool_trl.sandbox.local import DEFAULT_PRELOAD
 
 FIRST = "x = 6 * 7\nprint(x)"
 FOLLOW_UPS = ("y = x + 1\nprint(y)", "print(x * y)")

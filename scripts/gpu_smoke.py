@@ -16,7 +16,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from retool_trl.quickstart import build_char_tokenizer, build_tiny_model
+from retool_trl.tiny import build_char_tokenizer, build_tiny_model
 
 
 def main():

@@ -17,7 +17,7 @@ from retool_trl.cli import sft as cli_sft
 from retool_trl.cli import train as cli_train
 from retool_trl.tokenizer_checks import load_tokenizer
 from retool_trl.parsing import remove_spans
-from retool_trl.testing import make_char_tokenizer, save_tiny_model
+from testing_utils import make_char_tokenizer, make_closed_vocab_tokenizer, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS_MODULE = '''
@@ -35,6 +35,7 @@ CHAT_TEMPLATE = (
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     save_tiny_model(root / "model", make_char_tokenizer())
+    save_tiny_model(root / "closed_model", make_closed_vocab_tokenizer())  # cannot spell every tag or text
     chat = make_char_tokenizer()
     chat.chat_template = CHAT_TEMPLATE
     save_tiny_model(root / "chat_model", chat)
@@ -185,7 +186,7 @@ def test_eval_writes_json_and_markdown(work, tmp_path, capsys):
 
 def test_tokenizer_is_loaded_as_saved(work):
     """transformers 5 would load a Qwen2-config tokenizer as Qwen2Tokenizer, which drops this one's whitespace."""
-    tok = load_tokenizer(str(work / "model"))
+    tok = load_tokenizer(str(work / "closed_model"))
     assert tok.decode(tok("a b\nc")["input_ids"]) == "a b\nc"
     assert tok.padding_side == "left"
 
@@ -269,8 +270,10 @@ TRAIN_CASES = {
     "no pad token": ({"model_name_or_path": "{work}/nopad_model"}, [], ["has no pad token", "pad_token"]),
     "bad pad token": ({"model_name_or_path": "{work}/nopad_model"}, ["--pad_token", "<nope>"],
                       ["pad_token '<nope>' is not a token"]),
-    "tag not representable": ({}, ["--code_start", "<código>"], ["code_start '<código>' cannot be represented",
-                                                                 "add_tokens"]),
+    "tag not representable": (
+        {"model_name_or_path": "{work}/closed_model"}, ["--code_start", "<código>"],
+        ["code_start '<código>' cannot be represented", "add_tokens"],
+    ),
     "tag is special": ({}, ["--interpreter_end", "<|endoftext|>"], ["interpreter_end", "special token"]),
     "no chat template": ({}, ["--prompt_format", "conversational"], ["no chat template", "prompt_format: plain"]),
     "unknown reward": ({}, ["--reward_funcs", "boxed_acc"], ["unknown reward function 'boxed_acc'",
@@ -303,7 +306,7 @@ def test_config_file_errors(tmp_path, capsys):
 
 def test_tokenizer_that_drops_text(work, tmp_path, capsys, no_model_loading):
     broken = tmp_path / "broken"
-    shutil.copytree(work / "model", broken)
+    shutil.copytree(work / "closed_model", broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"  # its pre-tokenizer loses this vocabulary's whitespace
     (broken / "tokenizer_config.json").write_text(json.dumps(config))

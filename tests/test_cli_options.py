@@ -14,7 +14,7 @@ from retool_trl.cli import train as cli_train
 from retool_trl.errors import UserError
 from retool_trl.reward_registry import TRL_REWARD_KWARGS, check_reward_kwargs
 from retool_trl.rollout import ROLLOUT_FIELDS
-from retool_trl.testing import make_char_tokenizer, save_tiny_model
+from testing_utils import make_char_tokenizer, save_tiny_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -12,7 +12,7 @@ from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.types import TurnOutput
 from retool_trl.sandbox import ExecResult
-from retool_trl.testing import (
+from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
     ScriptedBackend,
