@@ -43,15 +43,19 @@ class ReToolConfig(GRPOConfig):
             Values of [`~retool_trl.rewards.boxed_accuracy`] (ReTool: +1 / -1).
     """
 
-    code_start: str = field(default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."})
+    code_start: str = field(
+        default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."}
+    )
     code_end: str = field(
         default=Tags.code_end, metadata={"help": "Tag that closes a code block; generation stops right after it."}
     )
     interpreter_start: str = field(
-        default=Tags.interpreter_start, metadata={"help": "Tag that opens the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_start,
+        metadata={"help": "Tag that opens the interpreter output inserted by the rollout."},
     )
     interpreter_end: str = field(
-        default=Tags.interpreter_end, metadata={"help": "Tag that closes the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_end,
+        metadata={"help": "Tag that closes the interpreter output inserted by the rollout."},
     )
     max_tool_calls: int = field(
         default=8,

@@ -1,7 +1,7 @@
 r"""Evaluation with the interpreter: the same rollout as training, scored like the reward.
 
-Each problem is sampled `k` times with [`~retool_trl.inference.generate_with_interpreter`]; a completion is correct when
-the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
+Each problem is sampled `k` times with [`~retool_trl.inference.generate_with_interpreter`]; a completion is correct
+when the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
 [`~retool_trl.rewards.boxed_accuracy`]). Metrics:
 
 - `pass@1`: accuracy of the first sample of each problem;

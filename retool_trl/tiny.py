@@ -158,19 +158,6 @@ def script_turns(tokenizer, script: str, code_end: str = "</code>") -> list[list
     return [*turns, ids[start:]]
 
 
-def script_turns(tokenizer, script: str, code_end: str = "</code>") -> list[list[int]]:
-    """The script's token ids (tokenized as a whole) split into turns after each token that completes a code-end
-    tag, as a model writing this text would be stopped; the last turn runs to the end."""
-    ids = tokenizer(script, add_special_tokens=False)["input_ids"]
-    turns, start, seen = [], 0, 0
-    for i in range(1, len(ids) + 1):
-        count = tokenizer.decode(ids[:i]).count(code_end)
-        if count > seen:
-            turns.append(ids[start:i])
-            start, seen = i, count
-    return [*turns, ids[start:]]
-
-
 __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",

@@ -13,8 +13,13 @@ from pathlib import Path
 from .errors import UserError, one_line
 
 
-def check_tokenizer(tokenizer, source: str, tags: Mapping[str, str] | None = None, pad_token: str | None = None,
-                    needs_chat_template: bool = False) -> None:
+def check_tokenizer(
+    tokenizer,
+    source: str,
+    tags: Mapping[str, str] | None = None,
+    pad_token: str | None = None,
+    needs_chat_template: bool = False,
+) -> None:
     """Checks (and where asked, fixes) a tokenizer before any model is loaded.
 
     Args:
@@ -34,19 +39,29 @@ def check_tokenizer(tokenizer, source: str, tags: Mapping[str, str] | None = Non
             fix = f"set `pad_token: {eos!r}` (its EOS token)" if eos else "set `pad_token` to one of its tokens"
             raise UserError(f"the tokenizer of {source} has no pad token: {fix} in the config, or pass --pad_token.")
         token_id = tokenizer.convert_tokens_to_ids(pad_token)
-        if token_id is None or (tokenizer.unk_token_id is not None and token_id == tokenizer.unk_token_id
-                                and pad_token != tokenizer.unk_token):
-            raise UserError(f"pad_token {pad_token!r} is not a token of the tokenizer of {source}; use an existing "
-                            f"token such as {tokenizer.eos_token!r}.")
+        if token_id is None or (
+            tokenizer.unk_token_id is not None
+            and token_id == tokenizer.unk_token_id
+            and pad_token != tokenizer.unk_token
+        ):
+            raise UserError(
+                f"pad_token {pad_token!r} is not a token of the tokenizer of {source}; use an existing "
+                f"token such as {tokenizer.eos_token!r}."
+            )
         tokenizer.pad_token = pad_token
     if needs_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
-                        "`prompt_format: plain`, or use a model whose tokenizer has a chat template.")
+        raise UserError(
+            f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
+            "`prompt_format: plain`, or use a model whose tokenizer has a chat template."
+        )
     unk = tokenizer.unk_token_id
     # Code is cut out of decoded text and run: a tokenizer that loses characters (e.g. whitespace) breaks it.
     probe = "Let me check.\nimport math\nx = 6 * 7\nprint(x)"
-    back = tokenizer.decode(tokenizer(probe, add_special_tokens=False)["input_ids"], skip_special_tokens=True,
-                            clean_up_tokenization_spaces=False)
+    back = tokenizer.decode(
+        tokenizer(probe, add_special_tokens=False)["input_ids"],
+        skip_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
     if back != probe:
         raise UserError(
             f"the tokenizer of {source} does not give back the text it encodes ({probe!r} decodes as {back!r}), so "
@@ -84,8 +99,7 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, padding_side="left",
-                  truncation_side="left")
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         config_file = Path(path, "tokenizer_config.json")
@@ -97,8 +111,10 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
         return tokenizer
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load the tokenizer of {path!r}: {one_line(error).split('. ')[0]}; check "
-                        "model_name_or_path (a local folder or a hub id).") from None
+        raise UserError(
+            f"cannot load the tokenizer of {path!r}: {one_line(error).split('. ')[0]}; check "
+            "model_name_or_path (a local folder or a hub id)."
+        ) from None
 
 
 __all__ = ["check_tokenizer", "load_tokenizer"]

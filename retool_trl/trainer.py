@@ -19,11 +19,11 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
-from .sandbox.factory import sandbox_from_config
 from .metrics import rollout_metrics
 from .parsing import Tags, with_system_prompt
 from .rewards import boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .sandbox.factory import sandbox_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 
 

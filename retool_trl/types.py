@@ -11,8 +11,9 @@ from typing import Protocol
 class TurnOutput:
     """What a backend generated for one sequence in one turn.
 
-    `token_ids` stop after the token that completes the code-end tag (when stopping there was requested), after an
-    EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend has them.
+    `token_ids` stop after the token that completes the code-end tag (when stopping there was requested), after
+    an EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend
+    has them.
     """
 
     token_ids: list[int]

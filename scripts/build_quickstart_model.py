@@ -58,8 +58,10 @@ def main() -> None:
     )
     dataset = build_sft_dataset(traces, tokenizer)
     stats = masked_token_stats(dataset)
-    print(f"traces: {len(dataset)} ({sum(traces['uses_code']) / len(traces):.0%} with code), "
-          f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained")
+    print(
+        f"traces: {len(dataset)} ({sum(traces['uses_code']) / len(traces):.0%} with code), "
+        f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained"
+    )
 
     with tempfile.TemporaryDirectory() as work_dir:
         sft_config = SFTConfig(

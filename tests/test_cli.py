@@ -15,8 +15,8 @@ from retool_trl.cli import eval as cli_eval
 from retool_trl.cli import main
 from retool_trl.cli import sft as cli_sft
 from retool_trl.cli import train as cli_train
-from retool_trl.tokenizer_checks import load_tokenizer
 from retool_trl.parsing import remove_spans
+from retool_trl.tokenizer_checks import load_tokenizer
 from testing_utils import make_char_tokenizer, make_closed_vocab_tokenizer, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,7 +319,9 @@ def test_sft_and_eval_input_errors(work, tmp_path, capsys, no_model_loading):
     expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, dataset_name=problems)],
                  "need a 'messages' column or 'prompt' and 'completion' columns")
     expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, packing=True)], "packing")
-    expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path), "--prompt_column", "nope"], "no column 'nope'")
+    expect_error(
+        capsys, ["sft", "--config", sft_config(work, tmp_path), "--prompt_column", "nope"], "no column 'nope'"
+    )
     expect_error(capsys, ["eval", "--model", str(work / "model")], "required", "--dataset")
     expect_error(capsys, ["eval", "--model", "./no/model", "--dataset", problems], "does not exist")
     expect_error(capsys, ["eval", "--model", str(work / "model"), "--dataset", problems, "--num-samples", "0"],

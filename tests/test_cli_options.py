@@ -20,14 +20,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-REWARDS_MODULE = '''
+REWARDS_MODULE = """
 CALLS = []
 
 
 def needs_rollout_facts(completions, num_void_turns, model_text, infra_failed, **kwargs):
     CALLS.append({"n": len(completions), "void": list(num_void_turns), "text": list(model_text)})
     return [float(i % 3) for i in range(len(completions))]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +50,22 @@ def work(tmp_path_factory):
 def train_yaml(work, tmp_path, **overrides) -> str:
     """A two-prompt, one-step config that leaves `prompt_format` at its default."""
     values = dict(
-        model_name_or_path=str(work / "base_model"), dataset_name=str(work / "plain.jsonl"), system_prompt="none",
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=1, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True,
-        gradient_checkpointing=False, sandbox_workers=1, seed=0,
+        model_name_or_path=str(work / "base_model"),
+        dataset_name=str(work / "plain.jsonl"),
+        system_prompt="none",
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        sandbox_workers=1,
+        seed=0,
     )
     values.update(overrides)
     path = tmp_path / "train.yaml"
@@ -69,12 +81,35 @@ def help_options(capsys, command: str) -> set[str]:
 
 def test_eval_help_lists_only_evaluation_options(capsys):
     options = help_options(capsys, "eval")
-    wanted = {"--model", "--dataset", "--num_samples", "--temperature", "--top_p", "--max_completion_length",
-              "--max_tool_calls", "--code_start", "--sandbox_backend", "--sandbox_timeout_s", "--system_prompt",
-              "--output_dir", "--seed"}
+    wanted = {
+        "--model",
+        "--dataset",
+        "--num_samples",
+        "--temperature",
+        "--top_p",
+        "--max_completion_length",
+        "--max_tool_calls",
+        "--code_start",
+        "--sandbox_backend",
+        "--sandbox_timeout_s",
+        "--system_prompt",
+        "--output_dir",
+        "--seed",
+    }
     assert wanted <= options, wanted - options
-    training = {"--learning_rate", "--adam_beta1", "--lr_scheduler_type", "--optim", "--weight_decay", "--beta",
-                "--num_generations", "--gradient_accumulation_steps", "--lora_r", "--use_vllm", "--save_strategy"}
+    training = {
+        "--learning_rate",
+        "--adam_beta1",
+        "--lr_scheduler_type",
+        "--optim",
+        "--weight_decay",
+        "--beta",
+        "--num_generations",
+        "--gradient_accumulation_steps",
+        "--lora_r",
+        "--use_vllm",
+        "--save_strategy",
+    }
     assert not training & options, training & options
     # Training still has them all.
     assert training - {"--lora_r"} <= help_options(capsys, "train")
@@ -144,9 +179,28 @@ def test_auto_base_model_with_plain_prompts_trains_and_evaluates(work, tmp_path,
     assert (Path(tmp_path) / "out" / "trainer_state.json").is_file()
     assert "prompt_format auto: plain prompts" in caplog.text
     out = tmp_path / "eval"
-    assert main(["eval", "--model", str(work / "base_model"), "--dataset", str(work / "plain.jsonl"),
-                 "--system_prompt", "none", "--max_samples", "2", "--max_completion_length", "6",
-                 "--sandbox_workers", "1", "--output_dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(work / "base_model"),
+                "--dataset",
+                str(work / "plain.jsonl"),
+                "--system_prompt",
+                "none",
+                "--max_samples",
+                "2",
+                "--max_completion_length",
+                "6",
+                "--sandbox_workers",
+                "1",
+                "--output_dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "results.json").read_text())["num_problems"] == 2
 
 

@@ -1,4 +1,5 @@
-"""The interleaved rollout and its interpreter mask (DESIGN §3-4), with a scripted backend and an in-process sandbox."""
+"""The interleaved rollout and its interpreter mask (DESIGN §3-4), with a scripted backend and an in-process
+sandbox."""
 
 import random
 

@@ -41,17 +41,23 @@ __all__ = [
 def make_bpe_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 400) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained without pre-splitting, so merges cross tag boundaries: the tags are split over
     several tokens, and tokens such as `)</code>` or `</code>\\n` (the tag inside a longer token) exist."""
-    corpus = corpus or [
-        "Compute it.<code>x = 6 * 7\nprint(x)</code>\n<interpreter>42\n</interpreter>So \\boxed{42}.",
-        "Let me check.<code>print(sum(range(10)))</code>\n<interpreter>45\n</interpreter>\\boxed{45}",
-        "Try <code>```python\nimport math\nprint(math.factorial(5))\n```</code>\n<interpreter>120\n</interpreter>",
-        "The answer is \\boxed{7}. No code needed, héllo wörld ∑ 数学.",
-    ] * 50
+    corpus = (
+        corpus
+        or [
+            "Compute it.<code>x = 6 * 7\nprint(x)</code>\n<interpreter>42\n</interpreter>So \\boxed{42}.",
+            "Let me check.<code>print(sum(range(10)))</code>\n<interpreter>45\n</interpreter>\\boxed{45}",
+            "Try <code>```python\nimport math\nprint(math.factorial(5))\n```</code>\n<interpreter>120\n</interpreter>",
+            "The answer is \\boxed{7}. No code needed, héllo wörld ∑ 数学.",
+        ]
+        * 50
+    )
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
@@ -80,9 +86,16 @@ def make_closed_vocab_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_tiny_qwen2(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     """The package's tiny Qwen2 at its smallest: fast enough for every CPU test."""
-    return build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=4,
-                            num_key_value_heads=2, intermediate_size=2 * hidden_size, max_position_embeddings=1024,
-                            seed=seed)
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=1024,
+        seed=seed,
+    )
 
 
 class FakeVLLMGeneration:
@@ -110,9 +123,11 @@ class FakeVLLMGeneration:
         stops = self.generation_kwargs.get("stop") or []
         self.requests.append({"n": len(prompts), "stop": list(stops), "max_tokens": self.max_completion_length})
         scripted = self.scripted
-        outputs = scripted.generate_turn(prompts, [self.max_completion_length] * len(prompts), [bool(stops)] * len(prompts))
+        outputs = scripted.generate_turn(
+            prompts, [self.max_completion_length] * len(prompts), [bool(stops)] * len(prompts)
+        )
         completion_ids = []
-        for out, seq in zip(outputs, prompts):
+        for out in outputs:
             ids = list(out.token_ids)
             if self.overshoot and stops and ids and ids[-1] != scripted.tokenizer.eos_token_id:
                 ids.append(ids[-1])  # a token sampled after the stop, which the trainer must not keep

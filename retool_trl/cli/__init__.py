@@ -23,7 +23,6 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import UserError, one_line
-
 from .common import PROG
 
 # name -> (module under retool_trl.cli with a `main(argv) -> int`, one-line description). Imported on use, so that
@@ -38,8 +37,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = [f"usage: {PROG} <command> [options]   (`{PROG} <command> --help` for a command's options)", "",
-             "commands:"]
+    lines = [
+        f"usage: {PROG} <command> [options]   (`{PROG} <command> --help` for a command's options)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -81,8 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        print(f"{PROG}: error: unknown command {name!r}: {hint}expected one of {', '.join(COMMANDS)}.",
-              file=sys.stderr)
+        print(
+            f"{PROG}: error: unknown command {name!r}: {hint}expected one of {', '.join(COMMANDS)}.", file=sys.stderr
+        )
         return 2
     _show_info_logs()
     try:

@@ -36,8 +36,9 @@ def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> 
 
 def model_init_kwargs(model_args, config_kwargs) -> dict:
     """The `from_pretrained` kwargs of TRL's `ModelConfig`, overridden by the trainer config's `model_init_kwargs`."""
-    kwargs = dict(revision=model_args.model_revision, attn_implementation=model_args.attn_implementation,
-                  dtype=model_args.dtype)
+    kwargs = dict(
+        revision=model_args.model_revision, attn_implementation=model_args.attn_implementation, dtype=model_args.dtype
+    )
     kwargs.update(config_kwargs or {})
     return kwargs
 
@@ -54,8 +55,10 @@ def resume_value(training_args):
     if value is True:
         out = training_args.output_dir
         if not (os.path.isdir(out) and get_last_checkpoint(out)):
-            raise UserError(f"resume_from_checkpoint=true but {out!r} has no checkpoint-* folder; give a checkpoint "
-                            "path or start without resume_from_checkpoint.")
+            raise UserError(
+                f"resume_from_checkpoint=true but {out!r} has no checkpoint-* folder; give a checkpoint "
+                "path or start without resume_from_checkpoint."
+            )
     elif value and not os.path.isdir(value):
         raise UserError(f"resume_from_checkpoint: checkpoint folder {value!r} does not exist.")
     return value or None
@@ -77,13 +80,19 @@ def report_prompt_format(requested: str, dataset, tokenizer, source: str) -> str
     chosen = "conversational" if is_conversational(dataset) else "plain"
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if requested == "auto":
-        why = ("the tokenizer has a chat template" if has_template else
-               "the data are conversations" if chosen == "conversational" else
-               "the tokenizer has no chat template and the data are plain text")
+        why = (
+            "the tokenizer has a chat template"
+            if has_template
+            else "the data are conversations"
+            if chosen == "conversational"
+            else "the tokenizer has no chat template and the data are plain text"
+        )
         logger.info("prompt_format auto: %s prompts (%s).", chosen, why)
     if chosen == "conversational" and not has_template:
-        raise UserError(f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
-                        "`prompt_format: plain`, or use a model whose tokenizer has a chat template.")
+        raise UserError(
+            f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
+            "`prompt_format: plain`, or use a model whose tokenizer has a chat template."
+        )
     return chosen
 
 

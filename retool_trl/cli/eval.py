@@ -31,8 +31,12 @@ class EvalArguments:
     """The model and the data of `retool-trl eval`."""
 
     model: str = field(metadata={"help": "Model folder or hub id (a LoRA adapter folder is merged into its base)."})
-    dataset: str = field(metadata={"help": "Problems: a known dataset (aime_2024, aime_2025, math500, gsm8k, "
-                                   "dapo_math, synthetic), a hub id or a local file."})
+    dataset: str = field(
+        metadata={
+            "help": "Problems: a known dataset (aime_2024, aime_2025, math500, gsm8k, "
+            "dapo_math, synthetic), a hub id or a local file."
+        }
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub configuration of the dataset."})
     split: str | None = field(default=None, metadata={"help": "Split (default: the dataset's usual split)."})
     num_samples: int = field(default=1, metadata={"help": "Completions sampled per problem (k of avg@k)."})
@@ -49,12 +53,32 @@ class EvalArguments:
 
 
 # The `ReToolConfig` fields evaluation reads (see `retool_trl.evaluation.evaluate` and `inference`).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
-                   "generation_kwargs", "seed")
-INTERPRETER_FIELDS = ("code_start", "code_end", "interpreter_start", "interpreter_end", "system_prompt",
-                      "max_tool_calls", "max_interpreter_output_chars", "interpreter_truncation", "sandbox_backend",
-                      "sandbox_workers", "sandbox_timeout_s", "sandbox_memory_mb", "sandbox_url",
-                      "sandbox_max_concurrency")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_completion_length",
+    "generation_kwargs",
+    "seed",
+)
+INTERPRETER_FIELDS = (
+    "code_start",
+    "code_end",
+    "interpreter_start",
+    "interpreter_end",
+    "system_prompt",
+    "max_tool_calls",
+    "max_interpreter_output_chars",
+    "interpreter_truncation",
+    "sandbox_backend",
+    "sandbox_workers",
+    "sandbox_timeout_s",
+    "sandbox_memory_mb",
+    "sandbox_url",
+    "sandbox_max_concurrency",
+)
 OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
 _OVERRIDES = {"output_dir": ("eval_results", "Folder of the result files (NAME.json, NAME.md, NAME_samples.jsonl).")}
 
@@ -127,13 +151,23 @@ def main(argv: Sequence[str]) -> int:
         raise UserError("num_samples and batch_size must be >= 1.")
     model_path = resolve_model_path(eval_args.model, "model")
     tokenizer = load_tokenizer(model_path, None, config.trust_remote_code)
-    check_tokenizer(tokenizer, model_path, vars(Tags.from_config(config)), eval_args.pad_token,
-                    needs_chat_template=eval_args.prompt_format == "conversational")
+    check_tokenizer(
+        tokenizer,
+        model_path,
+        vars(Tags.from_config(config)),
+        eval_args.pad_token,
+        needs_chat_template=eval_args.prompt_format == "conversational",
+    )
     dataset = load_problems(
-        eval_args.dataset, eval_args.split, eval_args.dataset_config,
+        eval_args.dataset,
+        eval_args.split,
+        eval_args.dataset_config,
         prompt_format=data_prompt_format(eval_args.prompt_format, tokenizer),
-        system_prompt=config.resolved_system_prompt, prompt_column=eval_args.prompt_column,
-        answer_column=eval_args.answer_column, max_samples=eval_args.max_samples, seed=config.seed,
+        system_prompt=config.resolved_system_prompt,
+        prompt_column=eval_args.prompt_column,
+        answer_column=eval_args.answer_column,
+        max_samples=eval_args.max_samples,
+        seed=config.seed,
     )
     report_prompt_format(eval_args.prompt_format, dataset, tokenizer, model_path)
 
@@ -143,8 +177,9 @@ def main(argv: Sequence[str]) -> int:
 
     model = load_eval_model(model_path, eval_args.dtype)
     torch.manual_seed(config.seed)
-    report = evaluate(model, tokenizer, dataset, config, num_samples=eval_args.num_samples,
-                      batch_size=eval_args.batch_size)
+    report = evaluate(
+        model, tokenizer, dataset, config, num_samples=eval_args.num_samples, batch_size=eval_args.batch_size
+    )
     report.meta.update(model=eval_args.model, dataset=eval_args.dataset, split=eval_args.split)
     paths = write_report(report, config.output_dir, eval_args.name or "results")
     print(report.markdown())

@@ -81,8 +81,13 @@ class ArgumentParser(TrlParser):
         if value is None or (key == "resume_from_checkpoint" and isinstance(value, bool)):
             return value  # transformers: resume_from_checkpoint=True is the last checkpoint in output_dir
         many = action.nargs in ("+", "*")
-        if isinstance(value, dict) and _accepts(hint, dict) or isinstance(value, list) and not many and \
-                _accepts(hint, list):
+        if (
+            isinstance(value, dict)
+            and _accepts(hint, dict)
+            or isinstance(value, list)
+            and not many
+            and _accepts(hint, list)
+        ):
             return value
         if isinstance(value, (dict, list)) and not many:
             raise UserError(f"{where} takes a single value ({_expected(action)}), got {value!r}.")
@@ -125,7 +130,9 @@ class ArgumentParser(TrlParser):
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             line = f" at line {mark.line + 1}" if mark is not None else ""
-            raise UserError(f"config file {path!r} is not valid YAML{line}: {getattr(error, 'problem', error)}.") from None
+            raise UserError(
+                f"config file {path!r} is not valid YAML{line}: {getattr(error, 'problem', error)}."
+            ) from None
         if config is None:  # an empty file sets nothing
             del args[at : at + 2]
         elif not isinstance(config, dict):
@@ -148,7 +155,9 @@ class ArgumentParser(TrlParser):
             self.set_defaults(**defaults)
         with warnings.catch_warnings():
             # transformers warns about TRL's own `gradient_checkpointing` default on every parse: not the user's doing.
-            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning
+            )
             try:
                 *outputs, remaining = self.parse_args_and_config(args, return_remaining_strings=True)
             except UserError:

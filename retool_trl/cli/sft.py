@@ -30,17 +30,23 @@ class SFTScriptArguments(ScriptArguments):
     interpreter_start: str = field(
         default=Tags.interpreter_start, metadata={"help": "Tag that opens interpreter output."}
     )
-    interpreter_end: str = field(default=Tags.interpreter_end, metadata={"help": "Tag that closes interpreter output."})
+    interpreter_end: str = field(
+        default=Tags.interpreter_end, metadata={"help": "Tag that closes interpreter output."}
+    )
     system_prompt: str | None = field(
         default=None,
-        metadata={"help": f"System prompt added to traces without one: a shipped name ({', '.join(SYSTEM_PROMPTS)}), "
-                  "a literal prompt, or none (default). Use the same one as in the RL stage."},
+        metadata={
+            "help": f"System prompt added to traces without one: a shipped name ({', '.join(SYSTEM_PROMPTS)}), "
+            "a literal prompt, or none (default). Use the same one as in the RL stage."
+        },
     )
     prompt_format: str = field(
         default="auto",
-        metadata={"help": "Trace format: 'auto' (as the data are), 'conversational' (plain-text prompts become user "
-                  "messages, rendered with the chat template) or 'plain' (conversations are refused).",
-                  "choices": PROMPT_FORMAT_CHOICES},
+        metadata={
+            "help": "Trace format: 'auto' (as the data are), 'conversational' (plain-text prompts become user "
+            "messages, rendered with the chat template) or 'plain' (conversations are refused).",
+            "choices": PROMPT_FORMAT_CHOICES,
+        },
     )
     messages_column: str | None = field(default=None, metadata={"help": "Column with the conversations."})
     prompt_column: str | None = field(default=None, metadata={"help": "Column with the prompts."})
@@ -60,15 +66,19 @@ def _in_format(dataset, prompt_format: str, name: str):
     conversations (they cannot be flattened without choosing a template)."""
     conversational = "messages" in dataset.column_names or not isinstance(dataset[0]["prompt"], str)
     if prompt_format == "plain" and conversational:
-        raise UserError(f"dataset {name!r} holds conversations, which prompt_format: plain cannot train on; set "
-                        "prompt_format: auto or conversational.")
+        raise UserError(
+            f"dataset {name!r} holds conversations, which prompt_format: plain cannot train on; set "
+            "prompt_format: auto or conversational."
+        )
     if prompt_format == "conversational" and not conversational:
-        dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]},
-                              desc="Prompts as messages")
+        dataset = dataset.map(
+            lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]}, desc="Prompts as messages"
+        )
         conversational = True
     if prompt_format == "auto":
-        logger.info("prompt_format auto: %s traces (as the data are).",
-                    "conversational" if conversational else "plain")
+        logger.info(
+            "prompt_format auto: %s traces (as the data are).", "conversational" if conversational else "plain"
+        )
     return dataset, conversational
 
 
@@ -95,9 +105,13 @@ def build_sft(argv: Sequence[str]):
 
     def traces(split, max_samples):
         dataset = load_traces(
-            script_args.dataset_name, split, script_args.dataset_config,
-            messages_column=script_args.messages_column, prompt_column=script_args.prompt_column,
-            completion_column=script_args.completion_column, max_samples=max_samples,
+            script_args.dataset_name,
+            split,
+            script_args.dataset_config,
+            messages_column=script_args.messages_column,
+            prompt_column=script_args.prompt_column,
+            completion_column=script_args.completion_column,
+            max_samples=max_samples,
         )
         return _in_format(dataset, script_args.prompt_format, script_args.dataset_name)
 
@@ -110,8 +124,15 @@ def build_sft(argv: Sequence[str]):
         eval_dataset = with_trace_system_prompt(traces(script_args.dataset_test_split or "test", None)[0], system)
     sft_args.model_init_kwargs = model_init_kwargs(model_args, sft_args.model_init_kwargs)
     try:
-        return build_sft_trainer(model_path, tokenizer, train, sft_args, tags=tags, eval_dataset=eval_dataset,
-                                 peft_config=get_peft_config(model_args))
+        return build_sft_trainer(
+            model_path,
+            tokenizer,
+            train,
+            sft_args,
+            tags=tags,
+            eval_dataset=eval_dataset,
+            peft_config=get_peft_config(model_args),
+        )
     except ValueError as error:
         if isinstance(error, UserError) or "trace" in str(error) or "chat template" in str(error):
             raise UserError(one_line(error)) from None  # retool_trl.sft's messages about malformed traces

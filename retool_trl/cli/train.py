@@ -42,8 +42,10 @@ class TrainScriptArguments(ScriptArguments):
     )
     dataset_test_split: str | None = field(
         default=None,
-        metadata={"help": "Split of dataset_name to evaluate on when eval_strategy is set and eval_dataset_name is "
-                  "not (default: 'test')."},
+        metadata={
+            "help": "Split of dataset_name to evaluate on when eval_strategy is set and eval_dataset_name is "
+            "not (default: 'test')."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed_accuracy"],
@@ -53,20 +55,21 @@ class TrainScriptArguments(ScriptArguments):
             "'get_soft_overlong_punishment', or a dotted import path such as 'my_module.my_reward'."
         },
     )
-    prompt_format: str = field(
-        default="auto", metadata={"help": PROMPT_FORMAT_HELP, "choices": PROMPT_FORMAT_CHOICES}
-    )
+    prompt_format: str = field(default="auto", metadata={"help": PROMPT_FORMAT_HELP, "choices": PROMPT_FORMAT_CHOICES})
     prompt_column: str | None = field(
-        default=None, metadata={"help": "Column with the problem (default: the dataset's known column, or 'prompt', "
-                                "'problem', 'question', ...)."}
+        default=None,
+        metadata={
+            "help": "Column with the problem (default: the dataset's known column, or 'prompt', "
+            "'problem', 'question', ...)."
+        },
     )
     answer_column: str | None = field(
         default=None, metadata={"help": "Column with the gold answer (default: 'answer', 'ground_truth', ...)."}
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training problems."})
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Dataset evaluated during training (e.g. 'aime_2024'); same forms as "
-                                "dataset_name."}
+        default=None,
+        metadata={"help": "Dataset evaluated during training (e.g. 'aime_2024'); same forms as dataset_name."},
     )
     eval_dataset_config: str | None = field(default=None, metadata={"help": "Hub configuration of eval_dataset_name."})
     eval_dataset_split: str | None = field(
@@ -107,28 +110,53 @@ def build_train(argv: Sequence[str]):
 
     tokenizer = load_tokenizer(model_path, model_args.model_revision, training_args.trust_remote_code)
     tags = vars(Tags.from_config(training_args))
-    check_tokenizer(tokenizer, model_path, tags, script_args.pad_token,
-                    needs_chat_template=script_args.prompt_format == "conversational")
+    check_tokenizer(
+        tokenizer,
+        model_path,
+        tags,
+        script_args.pad_token,
+        needs_chat_template=script_args.prompt_format == "conversational",
+    )
 
     def problems(name, split, config_name, max_samples, seed):
         return load_problems(
-            name, split, config_name, prompt_format=data_prompt_format(script_args.prompt_format, tokenizer),
-            system_prompt=training_args.resolved_system_prompt, prompt_column=script_args.prompt_column,
-            answer_column=script_args.answer_column, max_samples=max_samples, seed=seed,
+            name,
+            split,
+            config_name,
+            prompt_format=data_prompt_format(script_args.prompt_format, tokenizer),
+            system_prompt=training_args.resolved_system_prompt,
+            prompt_column=script_args.prompt_column,
+            answer_column=script_args.answer_column,
+            max_samples=max_samples,
+            seed=seed,
         )
 
-    train_dataset = problems(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config,
-                             script_args.max_train_samples, training_args.seed)
+    train_dataset = problems(
+        script_args.dataset_name,
+        script_args.dataset_train_split,
+        script_args.dataset_config,
+        script_args.max_train_samples,
+        training_args.seed,
+    )
     report_prompt_format(script_args.prompt_format, train_dataset, tokenizer, model_path)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         if script_args.eval_dataset_name:
-            eval_dataset = problems(script_args.eval_dataset_name, script_args.eval_dataset_split,
-                                    script_args.eval_dataset_config, script_args.max_eval_samples,
-                                    training_args.seed + 1)
+            eval_dataset = problems(
+                script_args.eval_dataset_name,
+                script_args.eval_dataset_split,
+                script_args.eval_dataset_config,
+                script_args.max_eval_samples,
+                training_args.seed + 1,
+            )
         else:
-            eval_dataset = problems(script_args.dataset_name, script_args.dataset_test_split or "test",
-                                    script_args.dataset_config, script_args.max_eval_samples, training_args.seed + 1)
+            eval_dataset = problems(
+                script_args.dataset_name,
+                script_args.dataset_test_split or "test",
+                script_args.dataset_config,
+                script_args.max_eval_samples,
+                training_args.seed + 1,
+            )
     check_reward_kwargs(reward_funcs, train_dataset.column_names, repr(script_args.dataset_name))
 
     from ..trainer import ReToolTrainer

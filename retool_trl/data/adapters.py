@@ -252,7 +252,9 @@ def to_retool_dataset(
         else:
             prompt = build_prompt(str(question), "plain" if prompt_format == "auto" else prompt_format, system_prompt)
         if answer is None or answer == "" or answer == "None":
-            raise DataError(f"a row has no gold answer (problem: {str(question)[:60]!r}); remove it or fix the column.")
+            raise DataError(
+                f"a row has no gold answer (problem: {str(question)[:60]!r}); remove it or fix the column."
+            )
         # Temporary names: an output column named like an input column would keep the input's type (e.g. int).
         return {"_retool_prompt": prompt, "_retool_answer": answer}
 

@@ -55,8 +55,15 @@ def load_problems(
     """
     try:
         dataset = load_math_dataset(
-            name, split, config_name=config_name, prompt_format=prompt_format, system_prompt=system_prompt,
-            prompt_column=prompt_column, answer_column=answer_column, max_samples=max_samples, seed=seed,
+            name,
+            split,
+            config_name=config_name,
+            prompt_format=prompt_format,
+            system_prompt=system_prompt,
+            prompt_column=prompt_column,
+            answer_column=answer_column,
+            max_samples=max_samples,
+            seed=seed,
         )
     except DataError:
         raise

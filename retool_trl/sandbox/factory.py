@@ -17,7 +17,10 @@ def sandbox_from_config(args) -> Sandbox:
     """
     if args.sandbox_backend == "remote":
         return build_sandbox(
-            "remote", url=args.sandbox_url, timeout_s=args.sandbox_timeout_s, max_concurrency=args.sandbox_max_concurrency
+            "remote",
+            url=args.sandbox_url,
+            timeout_s=args.sandbox_timeout_s,
+            max_concurrency=args.sandbox_max_concurrency,
         )
     return build_sandbox(
         "local",
