@@ -219,3 +219,63 @@ def test_auto_conversations_need_a_chat_template(work, tmp_path, capsys):
     cfg = train_yaml(work, tmp_path, dataset_name=str(work / "messages.jsonl"))
     assert main(["train", "--config", cfg]) == 2
     assert "has no chat template, which conversational prompts need" in capsys.readouterr().err
+
+
+def sft_yaml(work, tmp_path, **overrides) -> str:
+    values = dict(
+        model_name_or_path=str(work / "base_model"),
+        dataset_name=str(work / "traces.jsonl"),
+        output_dir=str(tmp_path / "sft"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        max_length=128,
+        gradient_checkpointing=False,
+    )
+    values.update(overrides)
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def traces(work):
+    with open(work / "traces.jsonl", "w") as f:
+        for i in range(4):
+            completion = f"<code>print({i}*7)</code><interpreter>{i * 7}\n</interpreter>\\boxed{{{i * 7}}}"
+            f.write(json.dumps({"prompt": f"What is {i}*7?\n", "completion": completion}) + "\n")
+    with open(work / "chats.jsonl", "w") as f:
+        f.write(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "\\boxed{6}"}]}
+            )
+            + "\n"
+        )
+
+
+def test_sft_prompt_format(work, tmp_path, traces, capsys):
+    from retool_trl.cli.sft import build_sft
+
+    plain = build_sft(["--config", sft_yaml(work, tmp_path)])  # auto: plain-text traces stay plain text
+    assert plain.processing_class.decode(plain.train_dataset[0]["input_ids"]).startswith("What is 0*7?\n<code>")
+    chat = build_sft(
+        [
+            "--config",
+            sft_yaml(work, tmp_path, model_name_or_path=str(work / "chat_model"), prompt_format="conversational"),
+        ]
+    )
+    assert chat.processing_class.decode(chat.train_dataset[0]["input_ids"]).startswith("user: What is 0*7?")
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                sft_yaml(work, tmp_path, dataset_name=str(work / "chats.jsonl"), prompt_format="plain"),
+            ]
+        )
+        == 2
+    )
+    assert "holds conversations, which prompt_format: plain cannot train on" in capsys.readouterr().err
