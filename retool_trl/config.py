@@ -7,21 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-# System prompts shipped with the package. `ReToolConfig.system_prompt` takes one of these names, a literal prompt,
-# or "none". Written for this project; the format is the ReTool paper's.
-SYSTEM_PROMPTS: dict[str, str] = {
-    "retool": (
-        "Solve the problem step by step. You have a Python interpreter: to run code, write it between {code_start} "
-        "and {code_end}. Generation stops after {code_end}, the code runs in a persistent session (variables and "
-        "imports carry over between calls), and what it prints is returned between {interpreter_start} and "
-        "{interpreter_end}. Use the interpreter for exact computation and to check your reasoning; print the values "
-        "you need. When you are done, write the final answer once as \\boxed{{answer}}."
-    ),
-    "retool_concise": (
-        "Use Python between {code_start} and {code_end} for any computation; its output appears between "
-        "{interpreter_start} and {interpreter_end}. End with the final answer in \\boxed{{}}."
-    ),
-}
+from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 
 _TRUNCATION_SIDES = ("head", "tail", "middle")
 _SANDBOX_BACKENDS = ("local", "remote")
@@ -39,8 +25,22 @@ class ReToolConfig(GRPOConfig):
     interpreter tokens included.
 
     Parameters:
-        code_start, code_end, interpreter_start, interpreter_end (`str`):
-            Tags of the text format.
+        > Text format
+
+        code_start (`str`, defaults to `"<code>"`):
+            Tag that opens a code block written by the model.
+        code_end (`str`, defaults to `"</code>"`):
+            Tag that closes a code block; generation stops right after it and the block runs.
+        interpreter_start (`str`, defaults to `"<interpreter>"`):
+            Tag that opens the interpreter output the rollout inserts.
+        interpreter_end (`str`, defaults to `"</interpreter>"`):
+            Tag that closes the interpreter output.
+        system_prompt (`str` or `None`, defaults to `"retool"`):
+            Name of a shipped prompt (`retool`, `retool_concise`), a literal prompt, or `None`/`"none"`. It is
+            prepended to conversational prompts that have no system message; the tags above are filled in.
+
+        > Interpreter calls
+
         max_tool_calls (`int`, defaults to `8`):
             Executions allowed per completion. After that, `code_end` no longer stops generation or runs code.
             `0` gives text-only RL with the same trainer.
@@ -48,24 +48,59 @@ class ReToolConfig(GRPOConfig):
             Interpreter output longer than this is cut (see `interpreter_truncation`) before it is tokenized.
         interpreter_truncation (`str`, defaults to `"middle"`):
             Which part of a long output survives: `"head"`, `"tail"` or `"middle"` (both ends kept).
+
+        > Sandbox
+
         sandbox_backend (`str`, defaults to `"local"`):
             `"local"` (worker pool on this machine) or `"remote"` (SandboxFusion-compatible HTTP service).
-        system_prompt (`str` or `None`, defaults to `"retool"`):
-            Name of a shipped prompt (`retool`, `retool_concise`), a literal prompt, or `None`/`"none"`. It is
-            prepended to conversational prompts that have no system message.
-        correct_reward, incorrect_reward (`float`):
-            Values of [`~retool_trl.rewards.boxed_accuracy`] (ReTool: +1 / -1).
+        sandbox_workers (`int` or `None`, defaults to `None`):
+            Size of the local worker pool (default: the number of CPUs).
+        sandbox_timeout_s (`float`, defaults to `5.0`):
+            Wall-clock limit of one code execution, in seconds.
+        sandbox_memory_mb (`int`, defaults to `1024`):
+            Address-space limit of a local sandbox session, in MiB.
+        sandbox_url (`str` or `None`, defaults to `None`):
+            Base URL of the SandboxFusion service; required when `sandbox_backend="remote"`.
+        sandbox_max_concurrency (`int`, defaults to `32`):
+            Requests in flight to the remote sandbox service.
+
+        > Rewards
+
+        correct_reward (`float`, defaults to `1.0`):
+            Reward of a correct final `\boxed{}` answer ([`~retool_trl.rewards.boxed_accuracy`]; ReTool: +1).
+        incorrect_reward (`float`, defaults to `-1.0`):
+            Reward of a wrong or missing final answer (ReTool: -1). Must be below `correct_reward`.
+        tool_use_bonus (`float`, defaults to `0.0`):
+            Shaping from the verl/slime ReTool recipes: a wrong answer that called code gets this much more than a
+            wrong answer that did not ([`~retool_trl.rewards.tool_use_shaping`] is added). `0` disables it.
+
+        > Stability (off by default, the paper's behaviour, except `drop_infra_failures`)
+
+        filter_void_turns (`bool`, defaults to `False`):
+            SimpleTIR: drop from the loss every completion with a "void" turn (a finished turn with neither a
+            complete code block nor a `\boxed{}` answer).
+        roc_oversample (`int`, defaults to `1`):
+            rStar2-Agent's GRPO-RoC: sample `roc_oversample` x `num_generations` completions per prompt and keep
+            `num_generations` (correct ones with the fewest tool errors and format problems, wrong ones at random).
+            `1` disables it.
+        drop_infra_failures (`bool`, defaults to `True`):
+            A sandbox failure that is not the snippet's fault (worker lost, service down) is retried once; if it
+            fails again, that completion is dropped from the loss and left unscored instead of scored as wrong.
     """
 
-    code_start: str = field(default="<code>", metadata={"help": "Tag that opens a code block written by the model."})
+    code_start: str = field(
+        default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."}
+    )
     code_end: str = field(
-        default="</code>", metadata={"help": "Tag that closes a code block; generation stops right after it."}
+        default=Tags.code_end, metadata={"help": "Tag that closes a code block; generation stops right after it."}
     )
     interpreter_start: str = field(
-        default="<interpreter>", metadata={"help": "Tag that opens the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_start,
+        metadata={"help": "Tag that opens the interpreter output inserted by the rollout."},
     )
     interpreter_end: str = field(
-        default="</interpreter>", metadata={"help": "Tag that closes the interpreter output inserted by the rollout."}
+        default=Tags.interpreter_end,
+        metadata={"help": "Tag that closes the interpreter output inserted by the rollout."},
     )
     max_tool_calls: int = field(
         default=8,
@@ -248,14 +283,4 @@ class ReToolConfig(GRPOConfig):
     @property
     def resolved_system_prompt(self) -> str | None:
         """The system prompt text with the configured tags filled in, or `None`."""
-        if self.system_prompt is None or self.system_prompt.strip().lower() == "none":
-            return None
-        template = SYSTEM_PROMPTS.get(self.system_prompt)
-        if template is None:
-            return self.system_prompt  # a literal prompt, used as written
-        return template.format(
-            code_start=self.code_start,
-            code_end=self.code_end,
-            interpreter_start=self.interpreter_start,
-            interpreter_end=self.interpreter_end,
-        )
+        return resolve_system_prompt(self.system_prompt, Tags.from_config(self))

@@ -1,7 +1,7 @@
 r"""Evaluation with the interpreter: the same rollout as training, scored like the reward.
 
-Each problem is sampled `k` times with [`~retool_trl.inference.generate_with_interpreter`]; a completion is correct when
-the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
+Each problem is sampled `k` times with [`~retool_trl.inference.generate_with_interpreter`]; a completion is correct
+when the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
 [`~retool_trl.rewards.boxed_accuracy`]). Metrics:
 
 - `pass@1`: accuracy of the first sample of each problem;
@@ -165,7 +165,8 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
     import torch
     from tqdm.auto import tqdm
 
-    from .inference import eos_token_ids_of, generate_with_interpreter, sandbox_from_config
+    from .inference import eos_token_ids_of, generate_with_interpreter
+    from .sandbox.factory import sandbox_from_config
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]

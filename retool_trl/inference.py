@@ -9,23 +9,7 @@ from transformers import GenerationConfig
 from .generation import TransformersBackend
 from .parsing import with_system_prompt
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox import build_sandbox
-
-
-def sandbox_from_config(args):
-    """Builds the sandbox a `ReToolConfig` asks for (`sandbox_backend` and its limits)."""
-    if args.sandbox_backend == "remote":
-        return build_sandbox(
-            "remote", url=args.sandbox_url, timeout_s=args.sandbox_timeout_s, max_concurrency=args.sandbox_max_concurrency
-        )
-    return build_sandbox(
-        "local",
-        num_workers=args.sandbox_workers,
-        timeout_s=args.sandbox_timeout_s,
-        memory_mb=args.sandbox_memory_mb,
-        # The rollout truncates to `max_interpreter_output_chars` on the side the config asks for; keep more here.
-        max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
-    )
+from .sandbox.factory import sandbox_from_config
 
 
 def eos_token_ids_of(model, tokenizer) -> list[int]:

@@ -6,23 +6,10 @@ Everything here works on strings; token-level work (the interpreter mask) lives 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from .prompts import Tags, add_system_message
 
 _FENCE = re.compile(r"^\s*```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL | re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Tags:
-    """The four tags of the text format (defaults: the ReTool paper's)."""
-
-    code_start: str = "<code>"
-    code_end: str = "</code>"
-    interpreter_start: str = "<interpreter>"
-    interpreter_end: str = "</interpreter>"
-
-    @classmethod
-    def from_config(cls, args) -> Tags:
-        return cls(args.code_start, args.code_end, args.interpreter_start, args.interpreter_end)
 
 
 def strip_code_fence(code: str) -> str:
@@ -128,4 +115,4 @@ def with_system_prompt(prompts: list, system_prompt: str | None) -> list:
     `None` leave the prompts as they are."""
     if not system_prompt or not prompts or not isinstance(prompts[0], list):
         return prompts
-    return [p if p and p[0]["role"] == "system" else [{"role": "system", "content": system_prompt}, *p] for p in prompts]
+    return [add_system_message(p, system_prompt) for p in prompts]

@@ -14,10 +14,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+# Re-exported: the quickstart model is built with them (scripts/build_quickstart_model.py).
+from .tiny import build_char_tokenizer, build_tiny_model  # noqa: F401
+
 QUICKSTART_MODEL_DIR = Path(__file__).parent / "assets" / "quickstart_model"
 
-PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|endoftext|>"
-DEFAULT_TAGS = ("<code>", "</code>", "<interpreter>", "</interpreter>")
 
 
 def model_path() -> str:
@@ -52,85 +53,6 @@ class QuickstartTask:
     )
     test_fraction: float = field(default=0.2, metadata={"help": "Share of problems held out for evaluation."})
     code_fraction: float = field(default=0.7, metadata={"help": "Share of cold-start traces that call code."})
-
-
-def build_char_tokenizer(tags: tuple[str, str, str, str] = DEFAULT_TAGS, model_max_length: int = 512):
-    """A character-level tokenizer: one token per byte (a byte-level BPE with no merges), the four format tags as
-    single (non-special) tokens, and `<|pad|>` / `<|endoftext|>` (EOS).
-
-    Byte-level rather than a table of chosen characters, for two reasons: any text (interpreter tracebacks,
-    non-ASCII output) stays representable and decodes exactly; and `AutoTokenizer` loads every `qwen2` checkpoint
-    as `Qwen2Tokenizer`, which rebuilds a byte-level BPE pipeline around the saved vocabulary, so this tokenizer
-    behaves the same whichever class loads it. Non-special tags survive `decode(..., skip_special_tokens=True)`,
-    which TRL applies to completions.
-
-    Args:
-        tags (tuple of 4 `str`): `code_start`, `code_end`, `interpreter_start`, `interpreter_end`.
-        model_max_length (`int`): Longest sequence the model handles.
-
-    Returns:
-        `PreTrainedTokenizerFast` with `pad_token` and `eos_token` set.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [PAD_TOKEN, EOS_TOKEN]
-    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)  # the 256 printable stand-ins for bytes
-    vocab = {token: i for i, token in enumerate(specials + byte_symbols)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
-    # The same normalizer, pre-tokenizer and decoder as Qwen2Tokenizer (its regex pre-split changes nothing
-    # without merges).
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        clean_up_tokenization_spaces=False,  # decoding must give back the exact text
-        model_max_length=model_max_length,
-    )
-
-
-def build_tiny_model(
-    tokenizer,
-    hidden_size: int = 128,
-    num_layers: int = 3,
-    num_heads: int = 4,
-    intermediate_size: int = 384,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-):
-    """A randomly initialised (seeded) Qwen2 causal LM sized for CPU training; embeddings are tied.
-
-    Args:
-        tokenizer: Its tokenizer (vocabulary size and pad/EOS ids).
-        hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings (`int`): Architecture.
-        seed (`int`): Initialisation seed.
-    """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
 
 
 # ----------------------------------------------------------------------------------------------- the quickstart run
@@ -341,7 +263,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     from transformers import AutoTokenizer
 
     from .data.synthetic import make_splits
-    from .inference import sandbox_from_config
+    from .sandbox.factory import sandbox_from_config
 
     args = QuickstartArguments(output_dir=str(output_dir), **kwargs)
     started = time.perf_counter()
@@ -377,7 +299,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """`retool-trl quickstart [--output-dir DIR] [--max-steps N] ...`: every [`QuickstartArguments`] field."""
-    from .cli import UserError
+    from .errors import UserError
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, no usage block (the CLI prints it)

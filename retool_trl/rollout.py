@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
-from typing import Protocol
 
 from .parsing import Tags, clean_output, extract_code, last_boxed, model_prose
 from .sandbox import ExecResult, truncate_output
+from .types import GenerationBackend
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
 ROLLOUT_FIELDS = (
@@ -32,26 +32,6 @@ ROLLOUT_FIELDS = (
     "infra_failed",
     "num_void_turns",
 )
-
-
-@dataclass
-class TurnOutput:
-    """What a backend generated for one sequence in one turn.
-
-    `token_ids` stop after the token that completes the code-end tag (when stopping there was requested), after an
-    EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend has them.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-
-
-class GenerationBackend(Protocol):
-    def generate_turn(
-        self, sequences: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop_at_code_end: Sequence[bool]
-    ) -> list[TurnOutput]:
-        """Continues each token sequence (prompt + completion so far) for at most `max_new_tokens[i]` tokens."""
-        ...
 
 
 @dataclass

@@ -20,6 +20,7 @@ The tokenized dataset (`input_ids`, `completion_mask`) goes to TRL's `SFTTrainer
 from __future__ import annotations
 
 import copy
+
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 

@@ -20,11 +20,11 @@ from trl.models import unwrap_model_for_generation
 from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
 from .config import ReToolConfig
 from .generation import TransformersBackend, VLLMBackend
-from .inference import sandbox_from_config
 from .metrics import rollout_metrics
 from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .sandbox.factory import sandbox_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 
 

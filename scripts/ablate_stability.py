@@ -76,22 +76,29 @@ def main():
     from transformers import AutoTokenizer
 
     from retool_trl.data.synthetic import make_splits
-    from retool_trl.inference import sandbox_from_config
     from retool_trl.quickstart import QuickstartArguments, QuickstartTask, _rl_config, model_path, train_run
+    from retool_trl.sandbox.factory import sandbox_from_config
 
     names = options.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    args = QuickstartArguments(output_dir=options.output_dir, max_steps=options.max_steps, num_eval=options.num_eval,
-                               seed=options.seed)
+    args = QuickstartArguments(
+        output_dir=options.output_dir, max_steps=options.max_steps, num_eval=options.num_eval, seed=options.seed
+    )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     task = QuickstartTask()
     start = model_path()
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
-    splits = make_splits(args.num_train, args.num_eval, seed=args.seed, difficulty=task.difficulty, kinds=task.kinds,
-                         test_fraction=task.test_fraction)
+    splits = make_splits(
+        args.num_train,
+        args.num_eval,
+        seed=args.seed,
+        difficulty=task.difficulty,
+        kinds=task.kinds,
+        test_fraction=task.test_fraction,
+    )
     sandbox = sandbox_from_config(_rl_config(args, out, with_tools=True))
     started = time.perf_counter()
     results, histories = {}, {}
@@ -103,15 +110,24 @@ def main():
     finally:
         sandbox.close()
 
-    header = f"{'variant':<16}{'acc before':>11}{'acc after':>11}{'code ratio':>11}{'turns':>7}{'length':>8}{'collapse':>10}"
+    header = (
+        f"{'variant':<16}{'acc before':>11}{'acc after':>11}{'code ratio':>11}{'turns':>7}{'length':>8}"
+        f"{'collapse':>10}"
+    )
     print("\n" + header)
     for name, r in results.items():
         turns = f"{r['turns_per_completion']:.2f}" if r["turns_per_completion"] is not None else "-"
-        print(f"{name:<16}{r['accuracy_before']:>11.1%}{r['accuracy_after']:>11.1%}{r['code_ratio_after']:>11.1%}"
-              f"{turns:>7}{r['mean_length_after']:>8.1f}{('yes' if r['collapse'] else 'no'):>10}")
+        print(
+            f"{name:<16}{r['accuracy_before']:>11.1%}{r['accuracy_after']:>11.1%}{r['code_ratio_after']:>11.1%}"
+            f"{turns:>7}{r['mean_length_after']:>8.1f}{('yes' if r['collapse'] else 'no'):>10}"
+        )
     plot(histories, out / "ablation.png")
-    (out / "ablation.json").write_text(json.dumps({"variants": results, "settings": vars(options),
-                                                   "wall_s": round(time.perf_counter() - started, 1)}, indent=2))
+    (out / "ablation.json").write_text(
+        json.dumps(
+            {"variants": results, "settings": vars(options), "wall_s": round(time.perf_counter() - started, 1)},
+            indent=2,
+        )
+    )
     print(f"\nwrote {out / 'ablation.json'} and {out / 'ablation.png'} ({time.perf_counter() - started:.0f} s)")
 
 

@@ -33,10 +33,10 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from retool_trl import ReToolConfig, ReToolTrainer  # noqa: E402
 from retool_trl.parsing import format_interpreter_block  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.testing import (  # noqa: E402
+from retool_trl.tiny import (  # noqa: E402
     ScriptForcingProcessor,
-    make_char_tokenizer,
-    make_tiny_qwen2,
+    build_char_tokenizer,
+    build_tiny_model,
     script_turns,
 )
 
@@ -77,9 +77,18 @@ def forcing(model, turns, tokenizer):
 
 def common_args(out, batch, max_len):
     return dict(
-        output_dir=out, per_device_train_batch_size=batch, num_generations=8, max_completion_length=max_len,
-        report_to="none", bf16=False, use_cpu=True, beta=0.0, logging_steps=1000, save_strategy="no",
-        disable_tqdm=True, seed=0,
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        num_generations=8,
+        max_completion_length=max_len,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+        logging_steps=1000,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
 
 
@@ -133,27 +142,49 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # the sandbox workers get the other core
 
-    tokenizer = make_char_tokenizer()
+    tokenizer = build_char_tokenizer(model_max_length=1024)
     prompts, scripts, full_texts = workload(args.batch)
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     tool_turns = {tuple(p): script_turns(tokenizer, s) for p, s in zip(prompt_ids, scripts)}
-    plain_turns = {tuple(p): [tokenizer(t, add_special_tokens=False)["input_ids"]] for p, t in zip(prompt_ids, full_texts)}
+    plain_turns = {
+        tuple(p): [tokenizer(t, add_special_tokens=False)["input_ids"]] for p, t in zip(prompt_ids, full_texts)
+    }
     tokens_per_completion = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in full_texts]
     max_len = max(tokens_per_completion) + 8
 
     tmp = tempfile.mkdtemp(prefix="bench_rollout_")
     model_dir = os.path.join(tmp, "model")
-    make_tiny_qwen2(tokenizer, hidden_size=256, num_layers=8, seed=0).save_pretrained(model_dir)
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=256,
+        num_layers=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+        seed=0,
+    )
+    model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    n_params = sum(p.numel() for p in make_tiny_qwen2(tokenizer, hidden_size=256, num_layers=8).parameters())
+    n_params = sum(p.numel() for p in model.parameters())
     dataset = Dataset.from_list([{"prompt": p, "answer": "0"} for p in prompts])
     reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
 
     sandbox = LocalSandbox(num_workers=2, timeout_s=5.0)
-    grpo = GRPOTrainer(model_dir, reward_funcs=reward, args=GRPOConfig(**common_args(tmp + "/g", args.batch, max_len)),
-                       train_dataset=dataset, processing_class=tokenizer)
-    retool = ReToolTrainer(model_dir, reward_funcs=reward, args=ReToolConfig(**common_args(tmp + "/r", args.batch, max_len)),
-                           train_dataset=dataset, processing_class=tokenizer, sandbox=sandbox)
+    grpo = GRPOTrainer(
+        model_dir,
+        reward_funcs=reward,
+        args=GRPOConfig(**common_args(tmp + "/g", args.batch, max_len)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    retool = ReToolTrainer(
+        model_dir,
+        reward_funcs=reward,
+        args=ReToolConfig(**common_args(tmp + "/r", args.batch, max_len)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        sandbox=sandbox,
+    )
     for trainer in (grpo, retool):
         trainer.model.eval()
     forcing(grpo.model, plain_turns, tokenizer)
@@ -173,19 +204,26 @@ def main():
     for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every row alike
         timings["plain"].append(median_time(lambda: grpo._generate(prompts), 1))
         timings["rollout"].append(median_time(lambda: retool._generate(prompts), 1))
-        timings["seed"].append(median_time(lambda: seed_loop(seed_model, tokenizer, prompt_ids, scripts_ids, sandbox), 1))
+        timings["seed"].append(
+            median_time(lambda: seed_loop(seed_model, tokenizer, prompt_ids, scripts_ids, sandbox), 1)
+        )
     plain, rollout, seed = (statistics.median(timings[k]) for k in ("plain", "rollout", "seed"))
 
     # Step benchmark: same no-code completions through both trainers (generation + scoring + loss + backward).
     step_times = {"grpo": [], "retool": []}
-    no_code = {tuple(p): [tokenizer(f"The answer is \\boxed{{{i}}}.", add_special_tokens=False)["input_ids"]]
-               for i, p in enumerate(prompt_ids)}
+    no_code = {
+        tuple(p): [tokenizer(f"The answer is \\boxed{{{i}}}.", add_special_tokens=False)["input_ids"]]
+        for i, p in enumerate(prompt_ids)
+    }
     for repeat in range(2):  # alternated, so warm-up and load drift do not favour one trainer
         for name, cls, config_cls in (("grpo", GRPOTrainer, GRPOConfig), ("retool", ReToolTrainer, ReToolConfig)):
             extra = {"sandbox": sandbox} if cls is ReToolTrainer else {}
-            cfg = config_cls(**{**common_args(f"{tmp}/{name}_step{repeat}", args.batch, max_len), "max_steps": args.steps})
-            trainer = cls(model_dir, reward_funcs=reward, args=cfg, train_dataset=dataset, processing_class=tokenizer,
-                          **extra)
+            cfg = config_cls(
+                **{**common_args(f"{tmp}/{name}_step{repeat}", args.batch, max_len), "max_steps": args.steps}
+            )
+            trainer = cls(
+                model_dir, reward_funcs=reward, args=cfg, train_dataset=dataset, processing_class=tokenizer, **extra
+            )
             forcing(trainer.model, no_code, tokenizer)
             step_times[name].append(median_time(trainer.train, 1))
     step_times = {name: min(times) for name, times in step_times.items()}
@@ -197,31 +235,39 @@ def main():
         (f"ReTool interleaved rollout ({calls} code calls)", rollout, rollout / plain),
         ("seed-style per-token loop", seed, seed / plain),
     ]
-    print(f"\nRollout benchmark: Qwen2 {n_params / 1e6:.1f}M params, B={args.batch}, "
-          f"{sum(tokens_per_completion)} tokens ({interp_tokens} interpreter), {calls} calls, "
-          f"median of {args.repeats}")
+    print(
+        f"\nRollout benchmark: Qwen2 {n_params / 1e6:.1f}M params, B={args.batch}, "
+        f"{sum(tokens_per_completion)} tokens ({interp_tokens} interpreter), {calls} calls, "
+        f"median of {args.repeats}"
+    )
     print(f"{'generator':<44}{'wall s':>10}{'x plain':>10}")
     for name, seconds, ratio in rows:
         print(f"{name:<44}{seconds:>10.3f}{ratio:>10.2f}")
     print(f"{'TRL native tools= loop':<44}{'n/a':>10}{'n/a':>10}   ({NATIVE_TOOLS_NOTE[:60]}...)")
     print(f"\nseed loop / rollout: {seed / rollout:.2f}x slower")
-    print(f"training steps ({args.steps}, no code): ReToolTrainer {step_times['retool']:.2f}s vs GRPOTrainer "
-          f"{step_times['grpo']:.2f}s -> {step_times['retool'] / step_times['grpo']:.3f}x")
+    print(
+        f"training steps ({args.steps}, no code): ReToolTrainer {step_times['retool']:.2f}s vs GRPOTrainer "
+        f"{step_times['grpo']:.2f}s -> {step_times['retool'] / step_times['grpo']:.3f}x"
+    )
     if args.json:
-        print(json.dumps({
-            "rollout_vs_generate": round(rollout / plain, 4),
-            "seed_loop_vs_rollout": round(seed / rollout, 4),
-            "step_vs_grpo_step": round(step_times["retool"] / step_times["grpo"], 4),
-            "plain_generate_s": round(plain, 4),
-            "rollout_s": round(rollout, 4),
-            "seed_loop_s": round(seed, 4),
-            "batch": args.batch,
-            "tokens": sum(tokens_per_completion),
-            "interpreter_tokens": interp_tokens,
-            "tool_calls": calls,
-            "params_m": round(n_params / 1e6, 2),
-            "native_tools_loop": None,
-        }))
+        print(
+            json.dumps(
+                {
+                    "rollout_vs_generate": round(rollout / plain, 4),
+                    "seed_loop_vs_rollout": round(seed / rollout, 4),
+                    "step_vs_grpo_step": round(step_times["retool"] / step_times["grpo"], 4),
+                    "plain_generate_s": round(plain, 4),
+                    "rollout_s": round(rollout, 4),
+                    "seed_loop_s": round(seed, 4),
+                    "batch": args.batch,
+                    "tokens": sum(tokens_per_completion),
+                    "interpreter_tokens": interp_tokens,
+                    "tool_calls": calls,
+                    "params_m": round(n_params / 1e6, 2),
+                    "native_tools_loop": None,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -20,12 +20,9 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.sandbox.local import DEFAULT_PRELOAD  # noqa: E402
+from retool_trl.sandbox import LocalSandbox
+from retool_trl.sandbox.local import DEFAULT_PRELOAD
 
 FIRST = "x = 6 * 7\nprint(x)"
 FOLLOW_UPS = ("y = x + 1\nprint(y)", "print(x * y)")
@@ -86,8 +83,11 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
     parser.add_argument("--baseline-calls", type=int, default=60)
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--preload", default="default",
-                        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
+    parser.add_argument(
+        "--preload",
+        default="default",
+        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list",
+    )
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = parser.parse_args()
 
@@ -118,20 +118,33 @@ def main() -> None:
     row["speedup_p50"] = row["baseline_p50_ms"] / row["p50_ms"]
     row["speedup_p99"] = row["baseline_p99_ms"] / row["p99_ms"]
     row["throughput_ratio"] = row["throughput_per_s"] / row["baseline_throughput_per_s"]
-    row.update(sessions=args.sessions, workers=workers, isolation=isolation, startup_s=startup_s,
-               cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
+    row.update(
+        sessions=args.sessions,
+        workers=workers,
+        isolation=isolation,
+        startup_s=startup_s,
+        cpu_count=os.cpu_count(),
+        preload=args.preload,
+        load_avg_1m=os.getloadavg()[0],
+    )
 
-    print(f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
-          f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
+        f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print(f"{'':28s}{'p50 ms':>10s}{'p99 ms':>10s}{'snippets/s':>12s}")
     print(f"{'pool, first calls':28s}{row['first_call_p50_ms']:10.2f}{row['first_call_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, follow-up calls':28s}{row['followup_p50_ms']:10.2f}{row['followup_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, all calls':28s}{row['p50_ms']:10.2f}{row['p99_ms']:10.2f}{row['throughput_per_s']:12.0f}")
-    print(f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
-          f"{row['baseline_throughput_per_s']:12.0f}")
-    print(f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
-          f"{row['throughput_ratio']:11.1f}x")
+    print(
+        f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
+        f"{row['baseline_throughput_per_s']:12.0f}"
+    )
+    print(
+        f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
+        f"{row['throughput_ratio']:11.1f}x"
+    )
     targets = [
         ("p50 >= 20x lower than baseline", row["speedup_p50"] >= 20),
         ("p99 <= 20 ms", row["p99_ms"] <= 20),

@@ -12,26 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from trl import SFTConfig
 
-# The checkpoint belongs to this checkout, so build it with this checkout's package, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from retool_trl.data.synthetic import make_sft_traces  # noqa: E402
-from retool_trl.quickstart import (  # noqa: E402
-    QUICKSTART_MODEL_DIR,
-    QuickstartTask,
-    build_char_tokenizer,
-    build_tiny_model,
-)
-from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noqa: E402
+from retool_trl.data.synthetic import make_sft_traces
+from retool_trl.quickstart import QUICKSTART_MODEL_DIR, QuickstartTask
+from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft
+from retool_trl.tiny import build_char_tokenizer, build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,8 +58,10 @@ def main() -> None:
     )
     dataset = build_sft_dataset(traces, tokenizer)
     stats = masked_token_stats(dataset)
-    print(f"traces: {len(dataset)} ({sum(traces['uses_code']) / len(traces):.0%} with code), "
-          f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained")
+    print(
+        f"traces: {len(dataset)} ({sum(traces['uses_code']) / len(traces):.0%} with code), "
+        f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained"
+    )
 
     with tempfile.TemporaryDirectory() as work_dir:
         sft_config = SFTConfig(

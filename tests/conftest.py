@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from retool_trl.testing import make_char_tokenizer
+    from testing_utils import make_char_tokenizer
 
     return make_char_tokenizer()
 

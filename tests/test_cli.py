@@ -11,10 +11,13 @@ import pytest
 import torch
 import yaml
 
-from retool_trl import cli
-from retool_trl.cli import load_tokenizer, main
+from retool_trl.cli import eval as cli_eval
+from retool_trl.cli import main
+from retool_trl.cli import sft as cli_sft
+from retool_trl.cli import train as cli_train
 from retool_trl.parsing import remove_spans
-from retool_trl.testing import make_char_tokenizer, save_tiny_model
+from retool_trl.tokenizer_checks import load_tokenizer
+from testing_utils import make_char_tokenizer, make_closed_vocab_tokenizer, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS_MODULE = '''
@@ -32,6 +35,7 @@ CHAT_TEMPLATE = (
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     save_tiny_model(root / "model", make_char_tokenizer())
+    save_tiny_model(root / "closed_model", make_closed_vocab_tokenizer())  # cannot spell every tag or text
     chat = make_char_tokenizer()
     chat.chat_template = CHAT_TEMPLATE
     save_tiny_model(root / "chat_model", chat)
@@ -77,9 +81,9 @@ def sft_config(work, tmp_path, **overrides) -> str:
     return write_yaml(tmp_path / "sft.yaml", **values)
 
 
-def spy_on(monkeypatch, name):
-    """Keeps the trainer that `cli.<name>` builds (and a copy of its parameters before training)."""
-    real, seen = getattr(cli, name), {}
+def spy_on(monkeypatch, command, name):
+    """Keeps the trainer that `command.<name>` builds (and a copy of its parameters before training)."""
+    real, seen = getattr(command, name), {}
 
     def spy(argv):
         trainer = real(argv)
@@ -87,7 +91,7 @@ def spy_on(monkeypatch, name):
         seen["before"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         return trainer
 
-    monkeypatch.setattr(cli, name, spy)
+    monkeypatch.setattr(command, name, spy)
     return seen
 
 
@@ -103,7 +107,7 @@ def test_usage_and_help(capsys):
 
 def test_train_lora_two_steps(work, tmp_path, monkeypatch):
     monkeypatch.chdir(work)  # the dotted reward path is imported from the working directory, as in TRL
-    seen = spy_on(monkeypatch, "build_train")
+    seen = spy_on(monkeypatch, cli_train, "build_train")
     cfg = train_config(work, tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
                        reward_funcs=["cli_rewards.ramp", "boxed_accuracy"])
     assert main(["train", "--config", cfg, "--learning_rate", "0.01"]) == 0
@@ -126,7 +130,7 @@ def test_train_lora_two_steps(work, tmp_path, monkeypatch):
 
 
 def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch):
-    seen = spy_on(monkeypatch, "build_sft")
+    seen = spy_on(monkeypatch, cli_sft, "build_sft")
     assert main(["sft", "--config", sft_config(work, tmp_path)]) == 0
     trainer = seen["trainer"]
     tok = trainer.processing_class
@@ -151,7 +155,7 @@ def test_sft_on_retool_sft_messages(work, tmp_path):
                                              {"role": "assistant", "content": assistant}]}) + "\n")
     cfg = sft_config(work, tmp_path, model_name_or_path=str(work / "chat_model"), dataset_name=str(path),
                      system_prompt="retool_concise", max_length=1024)
-    trainer = cli.build_sft(["--config", cfg])
+    trainer = cli_sft.build_sft(["--config", cfg])
     tok = trainer.processing_class
     batch = trainer.data_collator([trainer.train_dataset[0]])
     ids, labels = batch["input_ids"][0], batch["labels"][0]
@@ -182,7 +186,7 @@ def test_eval_writes_json_and_markdown(work, tmp_path, capsys):
 
 def test_tokenizer_is_loaded_as_saved(work):
     """transformers 5 would load a Qwen2-config tokenizer as Qwen2Tokenizer, which drops this one's whitespace."""
-    tok = load_tokenizer(str(work / "model"))
+    tok = load_tokenizer(str(work / "closed_model"))
     assert tok.decode(tok("a b\nc")["input_ids"]) == "a b\nc"
     assert tok.padding_side == "left"
 
@@ -231,7 +235,7 @@ def no_model_loading(monkeypatch):
 
     monkeypatch.setattr(retool_trl.trainer, "ReToolTrainer", refuse)
     monkeypatch.setattr(retool_trl.sft, "build_sft_trainer", refuse)
-    monkeypatch.setattr(cli, "_load_eval_model", refuse)
+    monkeypatch.setattr(cli_eval, "load_eval_model", refuse)
 
 
 def expect_error(capsys, argv, *fragments):
@@ -255,7 +259,9 @@ TRAIN_CASES = {
     "yaml float for int": ({"max_steps": 2.5}, [], ["'max_steps'", "must be an integer"]),
     "yaml list for scalar": ({"max_steps": [1, 2]}, [], ["'max_steps'", "takes a single value"]),
     "yaml yes/no": ({"report_to": False}, [], ["'report_to'", "quote the value"]),
-    "yaml bad choice": ({"prompt_format": "chat"}, [], ["'prompt_format'", "one of ['conversational', 'plain']"]),
+    "yaml bad choice": (
+        {"prompt_format": "chat"}, [], ["'prompt_format'", "one of ['auto', 'conversational', 'plain']"]
+    ),
     "cli wrong type": ({}, ["--max_steps", "x"], ["--max_steps", "invalid int value: 'x'"]),
     "config check": ({}, ["--max_tool_calls", "-1"], ["max_tool_calls must be >= 0"]),
     "bf16 on cpu": ({"bf16": True, "use_cpu": False}, [], ["bf16", "set `bf16: false`"]),
@@ -264,8 +270,10 @@ TRAIN_CASES = {
     "no pad token": ({"model_name_or_path": "{work}/nopad_model"}, [], ["has no pad token", "pad_token"]),
     "bad pad token": ({"model_name_or_path": "{work}/nopad_model"}, ["--pad_token", "<nope>"],
                       ["pad_token '<nope>' is not a token"]),
-    "tag not representable": ({}, ["--code_start", "<código>"], ["code_start '<código>' cannot be represented",
-                                                                 "add_tokens"]),
+    "tag not representable": (
+        {"model_name_or_path": "{work}/closed_model"}, ["--code_start", "<código>"],
+        ["code_start '<código>' cannot be represented", "add_tokens"],
+    ),
     "tag is special": ({}, ["--interpreter_end", "<|endoftext|>"], ["interpreter_end", "special token"]),
     "no chat template": ({}, ["--prompt_format", "conversational"], ["no chat template", "prompt_format: plain"]),
     "unknown reward": ({}, ["--reward_funcs", "boxed_acc"], ["unknown reward function 'boxed_acc'",
@@ -298,7 +306,7 @@ def test_config_file_errors(tmp_path, capsys):
 
 def test_tokenizer_that_drops_text(work, tmp_path, capsys, no_model_loading):
     broken = tmp_path / "broken"
-    shutil.copytree(work / "model", broken)
+    shutil.copytree(work / "closed_model", broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"  # its pre-tokenizer loses this vocabulary's whitespace
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
@@ -311,7 +319,9 @@ def test_sft_and_eval_input_errors(work, tmp_path, capsys, no_model_loading):
     expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, dataset_name=problems)],
                  "need a 'messages' column or 'prompt' and 'completion' columns")
     expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, packing=True)], "packing")
-    expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path), "--prompt_column", "nope"], "no column 'nope'")
+    expect_error(
+        capsys, ["sft", "--config", sft_config(work, tmp_path), "--prompt_column", "nope"], "no column 'nope'"
+    )
     expect_error(capsys, ["eval", "--model", str(work / "model")], "required", "--dataset")
     expect_error(capsys, ["eval", "--model", "./no/model", "--dataset", problems], "does not exist")
     expect_error(capsys, ["eval", "--model", str(work / "model"), "--dataset", problems, "--num-samples", "0"],

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retool_trl.cli import build_train, parse_sft_args, parse_train_args
+from retool_trl.cli.sft import parse_sft_args
+from retool_trl.cli.train import build_train, parse_train_args
 from retool_trl.data import find_known_dataset, is_local_dataset
-from retool_trl.testing import make_char_tokenizer, save_tiny_model
+from testing_utils import make_char_tokenizer, save_tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAIN_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("sft"))

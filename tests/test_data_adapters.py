@@ -23,8 +23,8 @@ DAPO_ROW = {
     "data_source": "math_dapo",
     "prompt": [{
         "role": "user",
-        "content": "Solve the following math problem step by step. The last line of your response should be of the "
-        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nFind the sum of all "
+        "content": "Solve the following math problem step by step. The last line of your response should be of "
+        "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nFind the sum of all "
         "integers $n$ with $n^2 < 10$.\n\nRemember to put your answer on its own line after \"Answer:\".",
     }],
     "ability": "MATH",

@@ -9,15 +9,16 @@ from retool_trl import ReToolConfig, ReToolTrainer
 from retool_trl.generation import TransformersBackend, VLLMBackend
 from retool_trl.inference import eos_token_ids_of
 from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import RolloutSpec, TurnOutput, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
-from retool_trl.testing import (
+from retool_trl.types import TurnOutput
+from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
     ScriptedBackend,
     make_char_tokenizer,
-    record_rewards,
     make_tiny_qwen2,
+    record_rewards,
     save_tiny_model,
 )
 

@@ -8,7 +8,7 @@ from datasets import Dataset
 from retool_trl.config import ReToolConfig
 from retool_trl.evaluation import EvalReport, compute_metrics, evaluate, score_rollout, write_report
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.testing import FakeSandbox, ScriptedBackend, make_char_tokenizer, make_tiny_qwen2
+from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, make_tiny_qwen2
 
 
 def record(problem, sample, correct, calls=0, errors=0, length=10, model_tokens=10, truncated=False):

@@ -4,7 +4,7 @@ import torch
 from transformers import GenerationConfig
 
 from retool_trl.generation import TransformersBackend, _TurnStopper
-from retool_trl.testing import make_bpe_tokenizer, make_tiny_qwen2
+from testing_utils import make_bpe_tokenizer, make_tiny_qwen2
 
 
 def test_stopper_records_where_each_sequence_stops():
@@ -48,9 +48,10 @@ def test_backend_respects_per_sequence_budgets():
 
 def test_real_generate_rollout_with_forced_scripts():
     """The full transformers path (real forward passes, HF stopping criteria) on scripted outputs."""
-    from retool_trl.rollout import RolloutSpec, interleaved_rollout
-    from retool_trl.testing import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
     from transformers import LogitsProcessorList
+
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from testing_utils import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
 
     tokenizer = make_bpe_tokenizer(vocab_size=400)  # tags inside longer tokens
     scripts = ["Compute.<code>x = 6 * 7\nprint(x)</code>\nSo \\boxed{42}.", "The answer is \\boxed{7}."]
@@ -76,9 +77,10 @@ def test_real_generate_rollout_with_forced_scripts():
 def test_kv_cache_reuse_across_turns_matches_fresh_prefill():
     """Continuing from the kept cache (finished rows dropped, interpreter tokens of different lengths spliced in
     after a masked hole) must score every later token exactly as prefilling the whole sequence again does."""
-    from retool_trl.rollout import RolloutSpec, interleaved_rollout
-    from retool_trl.testing import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
     from transformers import LogitsProcessor, LogitsProcessorList
+
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from testing_utils import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
 
     class Recorder(LogitsProcessor):
         def __init__(self, log):

@@ -1,11 +1,12 @@
-"""The interleaved rollout and its interpreter mask (DESIGN §3-4), with a scripted backend and an in-process sandbox."""
+"""The interleaved rollout and its interpreter mask (DESIGN §3-4), with a scripted backend and an in-process
+sandbox."""
 
 import random
 
 import pytest
 
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.testing import (
+from testing_utils import (
     FakeSandbox,
     ScriptedBackend,
     assert_rollout_invariants,

@@ -76,7 +76,7 @@ def test_tokenize_trace_masks_prompt_and_interpreter(tokenizer):
 
 
 def test_tokenize_trace_with_bpe_merging_across_tags():
-    from retool_trl.testing import make_bpe_tokenizer
+    from testing_utils import make_bpe_tokenizer
 
     bpe = make_bpe_tokenizer()  # has tokens such as `)</code>` and `</code>\n`: tags are not token boundaries
     out = tokenize_trace(bpe, PROMPT, COMPLETION)

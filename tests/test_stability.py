@@ -11,7 +11,7 @@ from retool_trl.rewards import boxed_accuracy, tool_use_shaping
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 from retool_trl.stability import resample_on_correct
-from retool_trl.testing import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, save_tiny_model
+from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, save_tiny_model
 
 TOKENIZER = make_char_tokenizer()
 

@@ -6,7 +6,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from retool_trl.testing import FakeSandbox, ScriptedBackend, save_tiny_model
+from testing_utils import FakeSandbox, ScriptedBackend, save_tiny_model
 
 SCRIPTS = [
     "First <code>x = 6 * 7\nprint(x)</code> so \\boxed{42}",

@@ -7,7 +7,7 @@ from datasets import Dataset
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from retool_trl.testing import save_tiny_model
+from testing_utils import save_tiny_model
 
 
 def test_trl_version_is_in_the_tested_range():

@@ -9,7 +9,7 @@ from datasets import Dataset
 from retool_trl import ReToolConfig
 from retool_trl.generation import VLLMBackend, first_stop
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.testing import (
+from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
     assert_rollout_invariants,
@@ -80,7 +80,7 @@ def test_config_names_the_extra_when_vllm_is_missing(tmp_path):
 
 def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
     from retool_trl import ReToolTrainer
-    from retool_trl.testing import save_tiny_model
+    from testing_utils import save_tiny_model
 
     tokenizer = make_char_tokenizer(extra_chars="∑")
     args = ReToolConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,

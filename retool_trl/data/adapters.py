@@ -29,7 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-PROMPT_FORMATS = ("conversational", "plain")
+from ..errors import UserError
+from ..prompts import add_system_message, add_system_prompt, resolve_system_prompt
+
+# "auto" follows the data: conversational when the problems are already conversations, plain text otherwise.
+PROMPT_FORMATS = ("conversational", "plain", "auto")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 # Tried in order when no column is given; covers the hub datasets below and the usual names in local files.
@@ -37,16 +41,12 @@ PROMPT_COLUMNS = ("prompt", "problem", "question", "Problem", "Question", "query
 ANSWER_COLUMNS = ("answer", "Answer", "ground_truth", "final_answer", "gt", "target")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset that cannot be mapped as asked (missing column, unknown format). The message names the fix."""
 
 
 def _default_system_prompt() -> str:
-    from ..config import SYSTEM_PROMPTS
-
-    return SYSTEM_PROMPTS["retool"].format(
-        code_start="<code>", code_end="</code>", interpreter_start="<interpreter>", interpreter_end="</interpreter>"
-    )
+    return resolve_system_prompt("retool")
 
 
 def build_prompt(question: str, prompt_format: str = "conversational", system_prompt: str | None = None):
@@ -60,10 +60,9 @@ def build_prompt(question: str, prompt_format: str = "conversational", system_pr
             conversational).
     """
     if prompt_format == "conversational":
-        messages = [{"role": "user", "content": question}]
-        return [{"role": "system", "content": system_prompt}, *messages] if system_prompt else messages
+        return add_system_message([{"role": "user", "content": question}], system_prompt)
     if prompt_format == "plain":
-        return f"{system_prompt}\n\n{question}" if system_prompt else question
+        return add_system_prompt(question, system_prompt)
     raise DataError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}.")
 
 
@@ -249,13 +248,13 @@ def to_retool_dataset(
             if prompt_format == "plain":
                 prompt = build_prompt(_message_text(question), "plain", system_prompt)
             else:
-                has_system = bool(question) and question[0].get("role") == "system"
-                prompt = question if has_system or not system_prompt else [
-                    {"role": "system", "content": system_prompt}, *question]
+                prompt = add_system_message(question, system_prompt)
         else:
-            prompt = build_prompt(str(question), prompt_format, system_prompt)
+            prompt = build_prompt(str(question), "plain" if prompt_format == "auto" else prompt_format, system_prompt)
         if answer is None or answer == "" or answer == "None":
-            raise DataError(f"a row has no gold answer (problem: {str(question)[:60]!r}); remove it or fix the column.")
+            raise DataError(
+                f"a row has no gold answer (problem: {str(question)[:60]!r}); remove it or fix the column."
+            )
         # Temporary names: an output column named like an input column would keep the input's type (e.g. int).
         return {"_retool_prompt": prompt, "_retool_answer": answer}
 
@@ -289,7 +288,8 @@ def load_math_dataset(
         split (`str`, *optional*): Split to load (default: the dataset's usual one; `train` for local files, whose
             files are all loaded).
         config_name (`str`, *optional*): Hub configuration. For `synthetic`, the difficulty (e.g. `"2"`).
-        prompt_format (`str`): `"conversational"` or `"plain"`.
+        prompt_format (`str`): `"conversational"`, `"plain"`, or `"auto"` (conversational when the problems are
+            already conversations, plain text otherwise).
         system_prompt (`str` or `None`): Instructions before each problem. Default: the shipped ReTool prompt with
             the paper's tags; `None` for none.
         prompt_column, answer_column (`str`, *optional*): Columns holding the problem and the gold answer. When given,

@@ -1,0 +1,106 @@
+"""What several commands share: the model path, resuming, the model's init kwargs, the prompt format, saving."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..errors import UserError, one_line
+
+logger = logging.getLogger("retool_trl.cli")
+
+PROG = "retool-trl"
+PROMPT_FORMAT_HELP = (
+    "Prompt format: 'conversational' (messages + chat template), 'plain' text, or 'auto': conversational when the "
+    "data are conversations or the tokenizer has a chat template, plain text otherwise."
+)
+PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
+
+
+def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
+    """A model folder or hub id; `quickstart` is the tiny model shipped with the package."""
+    if not name:
+        raise UserError(f"no model given: set `{option}` in the config or pass --{option}.")
+    if name == "quickstart":
+        from ..quickstart import model_path
+
+        try:
+            return model_path()
+        except FileNotFoundError as error:
+            raise UserError(one_line(error)) from None
+    looks_local = name.startswith((".", "/", "~")) or os.path.isabs(name)
+    if looks_local and not os.path.exists(os.path.expanduser(name)):
+        raise UserError(f"model folder {name!r} does not exist; check {option}.")
+    return os.path.expanduser(name)
+
+
+def model_init_kwargs(model_args, config_kwargs) -> dict:
+    """The `from_pretrained` kwargs of TRL's `ModelConfig`, overridden by the trainer config's `model_init_kwargs`."""
+    kwargs = dict(
+        revision=model_args.model_revision, attn_implementation=model_args.attn_implementation, dtype=model_args.dtype
+    )
+    kwargs.update(config_kwargs or {})
+    return kwargs
+
+
+def resume_value(training_args):
+    """`resume_from_checkpoint` as the Trainer wants it (True = latest checkpoint), checked before loading."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    value = training_args.resume_from_checkpoint
+    if isinstance(value, str) and value.strip().lower() in ("true", "last", "latest", "1", "yes"):
+        value = True
+    if isinstance(value, str) and value.strip().lower() in ("false", "none", "0", "no", ""):
+        value = None
+    if value is True:
+        out = training_args.output_dir
+        if not (os.path.isdir(out) and get_last_checkpoint(out)):
+            raise UserError(
+                f"resume_from_checkpoint=true but {out!r} has no checkpoint-* folder; give a checkpoint "
+                "path or start without resume_from_checkpoint."
+            )
+    elif value and not os.path.isdir(value):
+        raise UserError(f"resume_from_checkpoint: checkpoint folder {value!r} does not exist.")
+    return value or None
+
+
+def data_prompt_format(prompt_format: str, tokenizer) -> str:
+    """The format to load problems with: `auto` becomes conversational when the tokenizer has a chat template, and
+    otherwise stays `auto` (the data decide: conversations stay conversations, text stays text)."""
+    if prompt_format == "auto" and getattr(tokenizer, "chat_template", None):
+        return "conversational"
+    return prompt_format
+
+
+def report_prompt_format(requested: str, dataset, tokenizer, source: str) -> str:
+    """The format the loaded problems have; logs the choice `auto` made, and fails when conversations meet a tokenizer
+    without a chat template."""
+    from ..data.loading import is_conversational
+
+    chosen = "conversational" if is_conversational(dataset) else "plain"
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if requested == "auto":
+        why = (
+            "the tokenizer has a chat template"
+            if has_template
+            else "the data are conversations"
+            if chosen == "conversational"
+            else "the tokenizer has no chat template and the data are plain text"
+        )
+        logger.info("prompt_format auto: %s prompts (%s).", chosen, why)
+    if chosen == "conversational" and not has_template:
+        raise UserError(
+            f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
+            "`prompt_format: plain`, or use a model whose tokenizer has a chat template."
+        )
+    return chosen
+
+
+def finish(trainer, output_dir: str) -> None:
+    """Saves the model and the log history (for `retool-trl plot`) and closes the trackers."""
+    trainer.save_model(output_dir)
+    trainer.save_state()  # trainer_state.json (the log history) next to the model, for `retool-trl plot`
+    end = getattr(trainer, "end", None)  # transformers >= 5.18: closes the trackers of report_to
+    if callable(end):
+        end()
+    trainer.accelerator.print(f"Model saved to {output_dir}")

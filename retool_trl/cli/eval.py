@@ -1,0 +1,187 @@
+"""`retool-trl eval`: pass@1 / avg@k, code ratio, calls per answer and length, with the interpreter in the loop.
+
+Evaluation reads the model, the data, the sampling settings and the interpreter settings, and nothing else: its
+options are those (not the optimizer, scheduler or logging fields of a training config). The sampling and
+interpreter options are `ReToolConfig`'s own fields (same names, defaults and help), so a training YAML's values
+carry over and there is one definition of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import UserError, one_line
+from .common import (
+    PROG,
+    PROMPT_FORMAT_CHOICES,
+    PROMPT_FORMAT_HELP,
+    data_prompt_format,
+    report_prompt_format,
+    resolve_model_path,
+)
+from .parser import parse_arguments
+
+
+@dataclass
+class EvalArguments:
+    """The model and the data of `retool-trl eval`."""
+
+    model: str = field(metadata={"help": "Model folder or hub id (a LoRA adapter folder is merged into its base)."})
+    dataset: str = field(
+        metadata={
+            "help": "Problems: a known dataset (aime_2024, aime_2025, math500, gsm8k, "
+            "dapo_math, synthetic), a hub id or a local file."
+        }
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub configuration of the dataset."})
+    split: str | None = field(default=None, metadata={"help": "Split (default: the dataset's usual split)."})
+    num_samples: int = field(default=1, metadata={"help": "Completions sampled per problem (k of avg@k)."})
+    max_samples: int | None = field(default=None, metadata={"help": "Evaluate only the first N problems."})
+    batch_size: int = field(default=16, metadata={"help": "Completions generated together."})
+    prompt_format: str = field(default="auto", metadata={"help": PROMPT_FORMAT_HELP, "choices": PROMPT_FORMAT_CHOICES})
+    prompt_column: str | None = field(default=None, metadata={"help": "Column with the problem."})
+    answer_column: str | None = field(default=None, metadata={"help": "Column with the gold answer."})
+    dtype: str = field(
+        default="auto", metadata={"help": "Model dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]}
+    )
+    pad_token: str | None = field(default=None, metadata={"help": "Pad token to set when the tokenizer has none."})
+    name: str | None = field(default=None, metadata={"help": "Base name of the result files (default: 'results')."})
+
+
+# The `ReToolConfig` fields evaluation reads (see `retool_trl.evaluation.evaluate` and `inference`).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_completion_length",
+    "generation_kwargs",
+    "seed",
+)
+INTERPRETER_FIELDS = (
+    "code_start",
+    "code_end",
+    "interpreter_start",
+    "interpreter_end",
+    "system_prompt",
+    "max_tool_calls",
+    "max_interpreter_output_chars",
+    "interpreter_truncation",
+    "sandbox_backend",
+    "sandbox_workers",
+    "sandbox_timeout_s",
+    "sandbox_memory_mb",
+    "sandbox_url",
+    "sandbox_max_concurrency",
+)
+OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
+_OVERRIDES = {"output_dir": ("eval_results", "Folder of the result files (NAME.json, NAME.md, NAME_samples.jsonl).")}
+
+
+def _settings_class():
+    """`EvalSettings`: a dataclass of the `ReToolConfig` fields evaluation reads, with their defaults and help."""
+    from ..config import ReToolConfig
+
+    hints = typing.get_type_hints(ReToolConfig)
+    by_name = {f.name: f for f in dataclasses.fields(ReToolConfig)}
+    specs = []
+    for name in (*SAMPLING_FIELDS, *INTERPRETER_FIELDS, *OUTPUT_FIELDS):
+        source = by_name[name]
+        metadata = dict(source.metadata)
+        if name in _OVERRIDES:
+            default, metadata["help"] = _OVERRIDES[name]
+            spec = field(default=default, metadata=metadata)
+        elif source.default_factory is not dataclasses.MISSING:
+            spec = field(default_factory=source.default_factory, metadata=metadata)
+        else:
+            spec = field(default=source.default, metadata=metadata)
+        specs.append((name, hints[name], spec))
+    settings = dataclasses.make_dataclass("EvalSettings", specs)
+    settings.__module__ = __name__
+    return settings
+
+
+def parse_eval_args(argv: Sequence[str]):
+    """`(EvalArguments, ReToolConfig)` from command-line arguments (and `--config`).
+
+    Only the model/data options and the sampling/interpreter fields are accepted; the `ReToolConfig` returned carries
+    them (everything else at its default, on the GPU when there is one).
+    """
+    import torch
+
+    from ..config import ReToolConfig
+
+    eval_args, settings = parse_arguments((EvalArguments, _settings_class()), argv, f"{PROG} eval")
+    gpu = torch.cuda.is_available()
+    try:
+        config = ReToolConfig(**dataclasses.asdict(settings), report_to="none", bf16=gpu, use_cpu=not gpu)
+    except ValueError as error:
+        raise UserError(one_line(error)) from None
+    return eval_args, config
+
+
+def load_eval_model(path: str, dtype: str):
+    """The model to evaluate, in eval mode on the GPU when there is one; a LoRA folder is merged into its base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
+def main(argv: Sequence[str]) -> int:
+    """`retool-trl eval --model PATH --dataset NAME [--num-samples K] [--key value ...]`."""
+    from ..data.loading import load_problems
+    from ..prompts import Tags
+    from ..tokenizer_checks import check_tokenizer, load_tokenizer
+
+    eval_args, config = parse_eval_args(argv)
+    if eval_args.num_samples < 1 or eval_args.batch_size < 1:
+        raise UserError("num_samples and batch_size must be >= 1.")
+    model_path = resolve_model_path(eval_args.model, "model")
+    tokenizer = load_tokenizer(model_path, None, config.trust_remote_code)
+    check_tokenizer(
+        tokenizer,
+        model_path,
+        vars(Tags.from_config(config)),
+        eval_args.pad_token,
+        needs_chat_template=eval_args.prompt_format == "conversational",
+    )
+    dataset = load_problems(
+        eval_args.dataset,
+        eval_args.split,
+        eval_args.dataset_config,
+        prompt_format=data_prompt_format(eval_args.prompt_format, tokenizer),
+        system_prompt=config.resolved_system_prompt,
+        prompt_column=eval_args.prompt_column,
+        answer_column=eval_args.answer_column,
+        max_samples=eval_args.max_samples,
+        seed=config.seed,
+    )
+    report_prompt_format(eval_args.prompt_format, dataset, tokenizer, model_path)
+
+    import torch
+
+    from ..evaluation import evaluate, write_report
+
+    model = load_eval_model(model_path, eval_args.dtype)
+    torch.manual_seed(config.seed)
+    report = evaluate(
+        model, tokenizer, dataset, config, num_samples=eval_args.num_samples, batch_size=eval_args.batch_size
+    )
+    report.meta.update(model=eval_args.model, dataset=eval_args.dataset, split=eval_args.split)
+    paths = write_report(report, config.output_dir, eval_args.name or "results")
+    print(report.markdown())
+    print(f"Wrote {paths['json']} and {paths['markdown']}")
+    return 0

@@ -1,0 +1,147 @@
+"""`retool-trl sft`: cold-start SFT on code-integrated traces, with the interpreter's output masked from the loss.
+
+Traces are `messages` (system/user/assistant, as in the ReTool-SFT release, the last assistant message being the
+trained completion) or `prompt` + `completion` columns. Parsed like TRL's `trl sft`: `SFTConfig` + `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trl.scripts.utils import ScriptArguments
+
+from ..errors import UserError, one_line
+from ..prompts import SYSTEM_PROMPTS, Tags
+from .common import PROG, PROMPT_FORMAT_CHOICES, finish, logger, model_init_kwargs, resolve_model_path, resume_value
+from .parser import parse_arguments
+
+
+@dataclass
+class SFTScriptArguments(ScriptArguments):
+    """Arguments of `retool-trl sft` besides `SFTConfig` and `ModelConfig`."""
+
+    dataset_train_split: str | None = field(default=None, metadata={"help": "Split to train on (default: 'train')."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split evaluated when eval_strategy is set (default: 'test')."}
+    )
+    code_start: str = field(default=Tags.code_start, metadata={"help": "Tag that opens a code block."})
+    code_end: str = field(default=Tags.code_end, metadata={"help": "Tag that closes a code block."})
+    interpreter_start: str = field(
+        default=Tags.interpreter_start, metadata={"help": "Tag that opens interpreter output."}
+    )
+    interpreter_end: str = field(
+        default=Tags.interpreter_end, metadata={"help": "Tag that closes interpreter output."}
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": f"System prompt added to traces without one: a shipped name ({', '.join(SYSTEM_PROMPTS)}), "
+            "a literal prompt, or none (default). Use the same one as in the RL stage."
+        },
+    )
+    prompt_format: str = field(
+        default="auto",
+        metadata={
+            "help": "Trace format: 'auto' (as the data are), 'conversational' (plain-text prompts become user "
+            "messages, rendered with the chat template) or 'plain' (conversations are refused).",
+            "choices": PROMPT_FORMAT_CHOICES,
+        },
+    )
+    messages_column: str | None = field(default=None, metadata={"help": "Column with the conversations."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Column with the prompts."})
+    completion_column: str | None = field(default=None, metadata={"help": "Column with the completions."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N traces."})
+
+
+def parse_sft_args(argv: Sequence[str]):
+    """`(SFTScriptArguments, SFTConfig, ModelConfig)` from command-line arguments (and `--config`)."""
+    from trl import ModelConfig, SFTConfig
+
+    return parse_arguments((SFTScriptArguments, SFTConfig, ModelConfig), argv, f"{PROG} sft")
+
+
+def _in_format(dataset, prompt_format: str, name: str):
+    """Traces in the asked format: plain prompts become user messages for `conversational`; `plain` refuses
+    conversations (they cannot be flattened without choosing a template)."""
+    conversational = "messages" in dataset.column_names or not isinstance(dataset[0]["prompt"], str)
+    if prompt_format == "plain" and conversational:
+        raise UserError(
+            f"dataset {name!r} holds conversations, which prompt_format: plain cannot train on; set "
+            "prompt_format: auto or conversational."
+        )
+    if prompt_format == "conversational" and not conversational:
+        dataset = dataset.map(
+            lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]}, desc="Prompts as messages"
+        )
+        conversational = True
+    if prompt_format == "auto":
+        logger.info(
+            "prompt_format auto: %s traces (as the data are).", "conversational" if conversational else "plain"
+        )
+    return dataset, conversational
+
+
+def build_sft(argv: Sequence[str]):
+    """Everything `retool-trl sft` does before `train()`: returns the `SFTTrainer` (user errors raised first)."""
+    from trl import get_peft_config
+
+    from ..data.loading import load_traces, with_trace_system_prompt
+    from ..prompts import resolve_system_prompt
+    from ..sft import build_sft_trainer
+    from ..tokenizer_checks import check_tokenizer, load_tokenizer
+
+    script_args, sft_args, model_args = parse_sft_args(argv)
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    if not script_args.dataset_name:
+        raise UserError("no traces: set `dataset_name` (e.g. JoeYing/ReTool-SFT or a local .jsonl file).")
+    if sft_args.completion_only_loss is False:
+        raise UserError("completion_only_loss: false would train on prompt and interpreter tokens; remove it.")
+    if sft_args.packing:
+        raise UserError("packing: true is not supported for interpreter-masked traces; set packing: false.")
+    resume_value(sft_args)  # checked now, before anything is loaded
+    tags = Tags.from_config(script_args)
+    tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
+
+    def traces(split, max_samples):
+        dataset = load_traces(
+            script_args.dataset_name,
+            split,
+            script_args.dataset_config,
+            messages_column=script_args.messages_column,
+            prompt_column=script_args.prompt_column,
+            completion_column=script_args.completion_column,
+            max_samples=max_samples,
+        )
+        return _in_format(dataset, script_args.prompt_format, script_args.dataset_name)
+
+    train, conversational = traces(script_args.dataset_train_split, script_args.max_train_samples)
+    check_tokenizer(tokenizer, model_path, vars(tags), sft_args.pad_token, needs_chat_template=conversational)
+    system = resolve_system_prompt(script_args.system_prompt, tags)
+    train = with_trace_system_prompt(train, system)
+    eval_dataset = None
+    if sft_args.eval_strategy != "no":
+        eval_dataset = with_trace_system_prompt(traces(script_args.dataset_test_split or "test", None)[0], system)
+    sft_args.model_init_kwargs = model_init_kwargs(model_args, sft_args.model_init_kwargs)
+    try:
+        return build_sft_trainer(
+            model_path,
+            tokenizer,
+            train,
+            sft_args,
+            tags=tags,
+            eval_dataset=eval_dataset,
+            peft_config=get_peft_config(model_args),
+        )
+    except ValueError as error:
+        if isinstance(error, UserError) or "trace" in str(error) or "chat template" in str(error):
+            raise UserError(one_line(error)) from None  # retool_trl.sft's messages about malformed traces
+        raise
+
+
+def main(argv: Sequence[str]) -> int:
+    """`retool-trl sft [--config FILE.yaml] [--key value ...]`."""
+    trainer = build_sft(argv)
+    trainer.train(resume_from_checkpoint=resume_value(trainer.args))
+    finish(trainer, trainer.args.output_dir)
+    return 0

@@ -1,0 +1,182 @@
+"""`retool-trl train`: GRPO with the code interpreter in the rollout (`ReToolTrainer`).
+
+Parses a script-arguments dataclass, [`~retool_trl.ReToolConfig`] and TRL's `ModelConfig` as TRL's `trl grpo` does,
+so every `GRPOConfig` field, LoRA (`use_peft`, `lora_r`, ...) and `--config` YAML files work as in TRL's scripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trl.scripts.utils import ScriptArguments
+
+from ..errors import UserError
+from .common import (
+    PROG,
+    PROMPT_FORMAT_CHOICES,
+    PROMPT_FORMAT_HELP,
+    data_prompt_format,
+    finish,
+    model_init_kwargs,
+    report_prompt_format,
+    resolve_model_path,
+    resume_value,
+)
+from .parser import parse_arguments
+
+
+@dataclass
+class TrainScriptArguments(ScriptArguments):
+    """Arguments of `retool-trl train` besides `ReToolConfig` and `ModelConfig`.
+
+    Args:
+        dataset_name (`str`): Training problems: a known dataset (`dapo_math`, `aime_2024`, `aime_2025`, `math500`,
+            `gsm8k`, `synthetic`), a hub id, or a local `.jsonl`/`.json`/`.parquet`/`.csv` file.
+        reward_funcs (`list[str]`): Reward functions by name or dotted import path.
+        prompt_format (`str`): `auto` (default), `conversational` (chat template) or `plain` text prompts.
+    """
+
+    dataset_train_split: str | None = field(
+        default=None, metadata={"help": "Split of dataset_name to train on (default: the dataset's usual split)."}
+    )
+    dataset_test_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split of dataset_name to evaluate on when eval_strategy is set and eval_dataset_name is "
+            "not (default: 'test')."
+        },
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["boxed_accuracy"],
+        metadata={
+            "help": "Reward functions: 'boxed_accuracy' (ReTool's +1/-1 on the final \\boxed{}, needs an 'answer' "
+            "column), TRL's 'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', "
+            "'get_soft_overlong_punishment', or a dotted import path such as 'my_module.my_reward'."
+        },
+    )
+    prompt_format: str = field(default="auto", metadata={"help": PROMPT_FORMAT_HELP, "choices": PROMPT_FORMAT_CHOICES})
+    prompt_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column with the problem (default: the dataset's known column, or 'prompt', "
+            "'problem', 'question', ...)."
+        },
+    )
+    answer_column: str | None = field(
+        default=None, metadata={"help": "Column with the gold answer (default: 'answer', 'ground_truth', ...)."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training problems."})
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Dataset evaluated during training (e.g. 'aime_2024'); same forms as dataset_name."},
+    )
+    eval_dataset_config: str | None = field(default=None, metadata={"help": "Hub configuration of eval_dataset_name."})
+    eval_dataset_split: str | None = field(
+        default=None, metadata={"help": "Split of eval_dataset_name (default: the dataset's usual split)."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation problems."})
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Pad token to set when the tokenizer has none (e.g. its EOS token)."}
+    )
+
+
+def parse_train_args(argv: Sequence[str]):
+    """`(TrainScriptArguments, ReToolConfig, ModelConfig)` from command-line arguments (and `--config`)."""
+    from trl import ModelConfig
+
+    from ..config import ReToolConfig
+
+    return parse_arguments((TrainScriptArguments, ReToolConfig, ModelConfig), argv, f"{PROG} train")
+
+
+def build_train(argv: Sequence[str]):
+    """Everything `retool-trl train` does before `train()`: returns the `ReToolTrainer` (user errors raised first)."""
+    from trl import get_peft_config, get_quantization_config
+
+    from ..data.loading import load_problems
+    from ..prompts import Tags
+    from ..reward_registry import check_reward_kwargs, resolve_reward_funcs
+    from ..tokenizer_checks import check_tokenizer, load_tokenizer
+
+    script_args, training_args, model_args = parse_train_args(argv)
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    if not script_args.dataset_name:
+        raise UserError("no training data: set `dataset_name` (e.g. dapo_math, a hub id or a local .jsonl file).")
+    if script_args.dataset_streaming:
+        raise UserError("dataset_streaming is not supported by retool-trl train; set it to false.")
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
+    resume_value(training_args)  # checked now, before anything is loaded
+
+    tokenizer = load_tokenizer(model_path, model_args.model_revision, training_args.trust_remote_code)
+    tags = vars(Tags.from_config(training_args))
+    check_tokenizer(
+        tokenizer,
+        model_path,
+        tags,
+        script_args.pad_token,
+        needs_chat_template=script_args.prompt_format == "conversational",
+    )
+
+    def problems(name, split, config_name, max_samples, seed):
+        return load_problems(
+            name,
+            split,
+            config_name,
+            prompt_format=data_prompt_format(script_args.prompt_format, tokenizer),
+            system_prompt=training_args.resolved_system_prompt,
+            prompt_column=script_args.prompt_column,
+            answer_column=script_args.answer_column,
+            max_samples=max_samples,
+            seed=seed,
+        )
+
+    train_dataset = problems(
+        script_args.dataset_name,
+        script_args.dataset_train_split,
+        script_args.dataset_config,
+        script_args.max_train_samples,
+        training_args.seed,
+    )
+    report_prompt_format(script_args.prompt_format, train_dataset, tokenizer, model_path)
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        if script_args.eval_dataset_name:
+            eval_dataset = problems(
+                script_args.eval_dataset_name,
+                script_args.eval_dataset_split,
+                script_args.eval_dataset_config,
+                script_args.max_eval_samples,
+                training_args.seed + 1,
+            )
+        else:
+            eval_dataset = problems(
+                script_args.dataset_name,
+                script_args.dataset_test_split or "test",
+                script_args.dataset_config,
+                script_args.max_eval_samples,
+                training_args.seed + 1,
+            )
+    check_reward_kwargs(reward_funcs, train_dataset.column_names, repr(script_args.dataset_name))
+
+    from ..trainer import ReToolTrainer
+
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args.model_init_kwargs)
+    return ReToolTrainer(
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    """`retool-trl train [--config FILE.yaml] [--key value ...]`."""
+    trainer = build_train(argv)
+    trainer.train(resume_from_checkpoint=resume_value(trainer.args))
+    finish(trainer, trainer.args.output_dir)
+    return 0

@@ -1,0 +1,76 @@
+"""The text format's shared facts: the tags, the shipped system prompts and how a system message is added.
+
+A leaf module (no imports from the package, no TRL): the config, the parsers, the data adapters and the command line
+all read their defaults from here, so each fact is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tags:
+    """The four tags of the text format (defaults: the ReTool paper's)."""
+
+    code_start: str = "<code>"
+    code_end: str = "</code>"
+    interpreter_start: str = "<interpreter>"
+    interpreter_end: str = "</interpreter>"
+
+    @classmethod
+    def from_config(cls, args) -> Tags:
+        """The tags of any object with the four tag attributes (`ReToolConfig`, script arguments)."""
+        return cls(args.code_start, args.code_end, args.interpreter_start, args.interpreter_end)
+
+
+# System prompts shipped with the package, selectable by name (`system_prompt: retool`). Written for this project;
+# the format is the ReTool paper's. `{code_start}` etc. are filled with the configured tags.
+SYSTEM_PROMPTS: dict[str, str] = {
+    "retool": (
+        "Solve the problem step by step. You have a Python interpreter: to run code, write it between {code_start} "
+        "and {code_end}. Generation stops after {code_end}, the code runs in a persistent session (variables and "
+        "imports carry over between calls), and what it prints is returned between {interpreter_start} and "
+        "{interpreter_end}. Use the interpreter for exact computation and to check your reasoning; print the values "
+        "you need. When you are done, write the final answer once as \\boxed{{answer}}."
+    ),
+    "retool_concise": (
+        "Use Python between {code_start} and {code_end} for any computation; its output appears between "
+        "{interpreter_start} and {interpreter_end}. End with the final answer in \\boxed{{}}."
+    ),
+}
+
+
+def resolve_system_prompt(name_or_text: str | None, tags: Tags = Tags()) -> str | None:
+    """The system prompt text for a setting: a shipped name (filled with `tags`), a literal prompt used as written,
+    or `None` for `None`/`"none"`."""
+    if name_or_text is None or name_or_text.strip().lower() == "none":
+        return None
+    template = SYSTEM_PROMPTS.get(name_or_text)
+    if template is None:
+        return name_or_text
+    return template.format(
+        code_start=tags.code_start,
+        code_end=tags.code_end,
+        interpreter_start=tags.interpreter_start,
+        interpreter_end=tags.interpreter_end,
+    )
+
+
+def add_system_message(messages: list, system_prompt: str | None) -> list:
+    """`messages` with a leading system message holding `system_prompt`, unless it has one already or the prompt is
+    empty/`None`."""
+    if not system_prompt or (messages and messages[0].get("role") == "system"):
+        return list(messages)
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def add_system_prompt(prompt, system_prompt: str | None):
+    """One prompt with `system_prompt` added: as a system message to a conversation, or before a plain-text prompt
+    (separated by a blank line)."""
+    if isinstance(prompt, str):
+        return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+    return add_system_message(list(prompt), system_prompt)
+
+
+__all__ = ["SYSTEM_PROMPTS", "Tags", "add_system_message", "add_system_prompt", "resolve_system_prompt"]

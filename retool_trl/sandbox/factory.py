@@ -1,0 +1,35 @@
+"""The sandbox a training or evaluation config asks for (kept here so the trainer and inference both import it from
+the sandbox package, not from each other)."""
+
+from __future__ import annotations
+
+from . import build_sandbox
+from .base import Sandbox
+
+
+def sandbox_from_config(args) -> Sandbox:
+    """Builds the sandbox of a `ReToolConfig` (or any object with its `sandbox_*` fields): `sandbox_backend` and its
+    limits.
+
+    Args:
+        args: Has `sandbox_backend`, `sandbox_timeout_s` and, for `"local"`, `sandbox_workers`, `sandbox_memory_mb`,
+            `max_interpreter_output_chars`; for `"remote"`, `sandbox_url` and `sandbox_max_concurrency`.
+    """
+    if args.sandbox_backend == "remote":
+        return build_sandbox(
+            "remote",
+            url=args.sandbox_url,
+            timeout_s=args.sandbox_timeout_s,
+            max_concurrency=args.sandbox_max_concurrency,
+        )
+    return build_sandbox(
+        "local",
+        num_workers=args.sandbox_workers,
+        timeout_s=args.sandbox_timeout_s,
+        memory_mb=args.sandbox_memory_mb,
+        # The rollout truncates to `max_interpreter_output_chars` on the side the config asks for; keep more here.
+        max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
+    )
+
+
+__all__ = ["sandbox_from_config"]

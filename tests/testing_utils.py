@@ -1,0 +1,173 @@
+"""Test support (as TRL keeps it in `tests/testing_utils.py`): tokenizers and tiny models, fakes of TRL's vLLM
+helper, and the assertions several test files share. Not part of the package."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from retool_trl.prompts import Tags
+from retool_trl.rollout import RolloutResult
+from retool_trl.testing import FakeSandbox, ScriptedBackend
+from retool_trl.tiny import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    ScriptForcingProcessor,
+    build_char_tokenizer,
+    build_tiny_model,
+    save_tiny_model,
+    script_turns,
+)
+
+__all__ = [
+    "FakeSandbox",
+    "FakeVLLMGeneration",
+    "ScriptForcingProcessor",
+    "ScriptedBackend",
+    "assert_rollout_invariants",
+    "make_bpe_tokenizer",
+    "make_char_tokenizer",
+    "make_closed_vocab_tokenizer",
+    "make_tiny_qwen2",
+    "record_rewards",
+    "save_tiny_model",
+    "script_turns",
+]
+
+
+def make_bpe_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained without pre-splitting, so merges cross tag boundaries: the tags are split over
+    several tokens, and tokens such as `)</code>` or `</code>\\n` (the tag inside a longer token) exist."""
+    corpus = (
+        corpus
+        or [
+            "Compute it.<code>x = 6 * 7\nprint(x)</code>\n<interpreter>42\n</interpreter>So \\boxed{42}.",
+            "Let me check.<code>print(sum(range(10)))</code>\n<interpreter>45\n</interpreter>\\boxed{45}",
+            "Try <code>```python\nimport math\nprint(math.factorial(5))\n```</code>\n<interpreter>120\n</interpreter>",
+            "The answer is \\boxed{7}. No code needed, héllo wörld ∑ 数学.",
+        ]
+        * 50
+    )
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+def make_char_tokenizer(extra_chars: str = ""):
+    """The package's character-level tokenizer ([`~retool_trl.tiny.build_char_tokenizer`]): byte-level, so every
+    character (`extra_chars` included) is representable."""
+    return build_char_tokenizer()
+
+
+def make_closed_vocab_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer that cannot write everything, for the checks that must refuse one: one token per printable ASCII
+    character (anything else is `[UNK]`), the four tags as single tokens. Loaded as `Qwen2Tokenizer` (whose
+    pre-tokenizer expects byte-level symbols) it also loses whitespace."""
+    tags = list(vars(Tags()).values())
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
+    vocab = {t: i for i, t in enumerate([EOS_TOKEN, PAD_TOKEN, *tags, *chars, "[UNK]"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+    tok.add_tokens(tags)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+def make_tiny_qwen2(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
+    """The package's tiny Qwen2 at its smallest: fast enough for every CPU test."""
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=1024,
+        seed=seed,
+    )
+
+
+class FakeVLLMGeneration:
+    """Stands in for TRL's `VLLMGeneration` helper: same `generate` signature and return value, scripted tokens.
+
+    It honours `generation_kwargs["stop"]` and `max_completion_length` as vLLM does. With `overshoot=True` it returns
+    one token past the token that completes the stop string (which the backend must cut). The sampling logprob of
+    token `t` is `-t / 1000`, so alignment between tokens and logprobs can be checked.
+    """
+
+    mode = "colocate"
+
+    def __init__(self, tokenizer, scripts: Sequence[str], overshoot: bool = False):
+        self.scripted = ScriptedBackend(tokenizer, scripts)
+        self.overshoot = overshoot
+        self.max_completion_length = 10_000
+        self.generation_kwargs: dict = {}
+        self.requests: list[dict] = []
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        assert num_generations == 1 and images is None
+        stops = self.generation_kwargs.get("stop") or []
+        self.requests.append({"n": len(prompts), "stop": list(stops), "max_tokens": self.max_completion_length})
+        scripted = self.scripted
+        outputs = scripted.generate_turn(
+            prompts, [self.max_completion_length] * len(prompts), [bool(stops)] * len(prompts)
+        )
+        completion_ids = []
+        for out in outputs:
+            ids = list(out.token_ids)
+            if self.overshoot and stops and ids and ids[-1] != scripted.tokenizer.eos_token_id:
+                ids.append(ids[-1])  # a token sampled after the stop, which the trainer must not keep
+            completion_ids.append(ids)
+        logprobs = [[[-t / 1000] for t in ids] for ids in completion_ids]
+        return prompts, completion_ids, logprobs, None
+
+
+def assert_rollout_invariants(result: RolloutResult, tokenizer, scripts: Sequence[str], max_len: int) -> None:
+    """The interpreter-mask contract (DESIGN §3) for a rollout whose policy wrote `scripts`."""
+    tags = Tags()
+    for i, script in enumerate(scripts):
+        ids, mask = result.completion_ids[i], result.interpreter_mask[i]
+        assert len(ids) == len(mask) <= max_len
+        assert set(mask) <= {0, 1}
+        model_ids = [t for t, m in zip(ids, mask) if m]
+        script_ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        # The policy's tokens are exactly the scripted tokens, in order, none dropped, none re-tokenized.
+        assert model_ids == script_ids[: len(model_ids)]
+        if len(ids) < max_len:
+            assert model_ids == script_ids
+            assert tokenizer.decode(model_ids, skip_special_tokens=True) == script
+            assert result.model_text[i] == script
+        if result.logprobs is not None:
+            assert len(result.logprobs[i]) == len(ids)
+        # Environment tokens form complete interpreter blocks (except a block cut by the length budget).
+        env_text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+        if len(ids) < max_len:
+            assert env_text.count(tags.interpreter_start) == env_text.count(tags.interpreter_end)
+            assert env_text.count(tags.interpreter_start) == result.num_tool_calls[i]
+
+
+def record_rewards(trainer) -> dict:
+    """Wraps `trainer._calculate_rewards` so each call's reward matrix is kept under `["rewards"]`."""
+    seen = {}
+    original = trainer._calculate_rewards
+
+    def recording(*args):
+        seen["rewards"] = original(*args)
+        return seen["rewards"]
+
+    trainer._calculate_rewards = recording
+    return seen
