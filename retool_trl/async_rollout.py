@@ -21,7 +21,8 @@ from typing import Protocol
 
 import httpx
 
-from .rollout import RolloutResult, RolloutSpec, TurnOutput, _Row, interpreter_blocks, rollout_result, run_cells
+from .rollout import RolloutResult, RolloutSpec, _Row, interpreter_blocks, rollout_result, run_cells
+from .types import TurnOutput
 
 
 class AsyncTurnEngine(Protocol):

@@ -20,7 +20,7 @@ from dataclasses import astuple, dataclass, field
 
 from .parsing import Tags, clean_output, extract_code, last_boxed, model_prose
 from .sandbox import ExecResult, truncate_output
-from .types import GenerationBackend
+from .types import GenerationBackend, TurnOutput
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
 ROLLOUT_FIELDS = (

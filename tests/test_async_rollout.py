@@ -10,9 +10,11 @@ import pytest
 
 from retool_trl.async_rollout import CompletionsEngine, EngineError, async_rollout
 from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import RolloutSpec, TurnOutput, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.types import TurnOutput
 from retool_trl.sandbox import ExecResult, LocalSandbox
-from retool_trl.testing import ScriptedBackend, make_char_tokenizer
+from retool_trl.testing import ScriptedBackend
+from testing_utils import make_char_tokenizer
 
 TOKENIZER = make_char_tokenizer()
 SCRIPTS = [
@@ -226,7 +228,9 @@ def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
     from datasets import Dataset
 
     from retool_trl import ReToolConfig, ReToolTrainer
-    from retool_trl.testing import FakeSandbox, FakeVLLMGeneration, save_tiny_model
+    from retool_trl.testing import FakeSandbox
+    from retool_trl.tiny import save_tiny_model
+    from testing_utils import FakeVLLMGeneration
 
     class Logprobs(AsyncScripted):  # vLLM-style sampling logprobs: -token/1000, to check alignment
         async def generate(self, *args):

@@ -7,7 +7,9 @@ from retool_trl import ReToolConfig, ReToolTrainer
 from retool_trl.parsing import Tags, model_prose
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
-from retool_trl.testing import FakeSandbox, ScriptedBackend, make_bpe_tokenizer, make_char_tokenizer, save_tiny_model
+from retool_trl.testing import FakeSandbox, ScriptedBackend
+from retool_trl.tiny import save_tiny_model
+from testing_utils import make_bpe_tokenizer, make_char_tokenizer
 
 BPE = make_bpe_tokenizer()  # byte-level: any text the sandbox prints can be encoded and decoded back
 CHAR = make_char_tokenizer()

@@ -13,7 +13,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from retool_trl.generation import TransformersBackend
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.testing import FakeSandbox, make_char_tokenizer, make_tiny_qwen2
+from retool_trl.testing import FakeSandbox
+from testing_utils import make_char_tokenizer, make_tiny_qwen2
 
 KEY = 3  # prompts differ in their first KEY tokens, which is how the forcing processor finds each row's script
 
