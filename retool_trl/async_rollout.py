@@ -76,7 +76,11 @@ class CompletionsEngine:
         self.requests = 0
 
     async def __aenter__(self) -> CompletionsEngine:
-        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+        # Idle connections are dropped before the server's own keep-alive timeout (uvicorn: 5 s) can close them under
+        # a request; connection failures are retried by the transport.
+        limits = httpx.Limits(
+            max_connections=self.max_connections, max_keepalive_connections=self.max_connections, keepalive_expiry=2.0
+        )
         transport = self._transport or httpx.AsyncHTTPTransport(retries=3, limits=limits)
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, transport=transport)
         if self.model is None:
@@ -89,11 +93,23 @@ class CompletionsEngine:
 
     async def _request(self, method: str, path: str, **kwargs) -> dict:
         try:
-            response = await self._client.request(method, path, **kwargs)
-            response.raise_for_status()
-            return response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            try:
+                response = await self._client.request(method, path, **kwargs)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                # A kept-alive connection closed by the server as the request went out: once more, on a new one.
+                response = await self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineError(f"{method} {path}: the reply is not JSON: {exc}") from exc
+
+    def request_fields(self, token_ids: list[int]) -> dict:
+        """Extra request fields for one sequence (none here; a subclass can force or steer a sequence)."""
+        return {}
 
     async def generate(self, token_ids: list[int], max_tokens: int, stop_at_code_end: bool) -> TurnOutput:
         from .generation import first_stop
@@ -106,6 +122,7 @@ class CompletionsEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             **self.sampling,
+            **self.request_fields(token_ids),
             "n": 1,
         }
         if stop_at_code_end:

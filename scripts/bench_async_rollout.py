@@ -3,8 +3,8 @@
 A straggler workload, as real runs have: B completions, each with 2-4 code calls, turns of different lengths and
 long-tailed snippet latencies (most a few ms, some 100-300 ms; the snippets really sleep, in the local sandbox).
 The policy text is forced with vLLM's structured outputs (a regex per turn), so every mode runs the same tokens through
-the same engine; the last turn of each completion is left to the model (greedy), so `same_outputs` also compares what
-the model writes after identical contexts.
+the same engine. The regex fixes the text, not its tokens: greedy decoding picks the tokenization, so `same_outputs`
+(identical token ids, masks and reward kwargs) checks that both modes sample from identical contexts.
 
 1. barrier: `interleaved_rollout` whose turns send every active sequence's request at once and wait for all, then
    run all snippets at once and wait for all (the barrier of today's loop, with the same requests);
@@ -47,7 +47,7 @@ CALLS = (2, 3, 4)
 
 # ----------------------------------------------------------------------------------------------------- the model
 def build_model(path: Path):
-    """A tiny random Qwen2 whose tokenizer is the quickstart's byte-level BPE plus the Qwen3 chat template (TRL's
+    """A tiny random Qwen2 (head size 64: vLLM's CPU attention kernels need one of its supported sizes) whose tokenizer is the quickstart's byte-level BPE plus the Qwen3 chat template (TRL's
     bundled copy, which TRL's tool loop knows how to parse) and that template's special tokens."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -62,8 +62,8 @@ def build_model(path: Path):
     tokenizer.chat_template = qwen3_chat_template
     tokenizer.eos_token = "<|im_end|>"
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -104,18 +104,23 @@ class Server:
 
 
 # ----------------------------------------------------------------------------------------------------- the workload
-def make_workload(batch: int, seed: int):
-    """Per completion: a prompt, the forced turns (prose + a cell that sleeps), and the latencies of its calls."""
+def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool = True):
+    """Per completion: a prompt, the forced turns (prose + a cell that sleeps; then the answer), and the latencies of
+    its calls (2-4 calls per completion, or `calls` each). Without prose, a turn is just its cell, about as long as
+    the tool call TRL's loop is forced to write."""
     rng = random.Random(seed)
     rows = []
     for i in range(batch):
-        calls = CALLS[i % len(CALLS)]
-        latencies = [rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(calls)]
+        n_calls = calls or CALLS[i % len(CALLS)]
+        latencies = [rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(n_calls)]
+        words = [rng.randint(0, 4) if prose else 0 for _ in range(n_calls + 1)]
         turns = [
-            f"Step {k}: " + "let me check this part " * rng.randint(0, 4)
+            (f"Step {k}: " + "let me check this part " * n if prose else "")
             + f"<code>import time\ntime.sleep({latency:.3f})\nprint({k})</code>"
-            for k, latency in enumerate(latencies)
+            for k, (latency, n) in enumerate(zip(latencies, words))
         ]
+        # The last turn: an answer of varying length, which the regex ends with EOS.
+        turns.append("So " + "the checks agree and " * words[-1] + f"the answer is \\boxed{{{i}}}.")
         rows.append({"prompt": f"Problem {i:03d}:", "turns": turns, "latencies": latencies})
     return rows
 
@@ -130,18 +135,12 @@ class ForcedEngine(CompletionsEngine):
         self.turns: dict = {}
         self.key_len = len(next(iter(scripts)))
 
-    async def generate(self, token_ids, max_tokens, stop_at_code_end):
+    def request_fields(self, token_ids):
         key = tuple(token_ids[: self.key_len])
         turn = self.turns.get(key, 0)
         self.turns[key] = turn + 1
         script = self.scripts[key]
-        saved = self.sampling
-        if turn < len(script):
-            self.sampling = {**saved, "structured_outputs": {"regex": re.escape(script[turn])}}
-        try:
-            return await super().generate(token_ids, max_tokens, stop_at_code_end)
-        finally:
-            self.sampling = saved
+        return {"structured_outputs": {"regex": re.escape(script[turn])}} if turn < len(script) else {}
 
 
 class BarrierOverEngine:
@@ -221,13 +220,16 @@ def trl_tools(url, model_dir, workload, max_len):
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
         per_device_train_batch_size=len(workload), num_generations=len(workload), max_completion_length=max_len,
-        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(tool_call)}, "temperature": 0.0},
+        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(tool_call)}},  # n>1: sampled
         max_tool_calling_iterations=per_row[0], report_to="none", use_cpu=True, bf16=False,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Work."}]}] * len(workload))
     trainer = GRPOTrainer(str(model_dir), reward_funcs=lambda completions, **k: [0.0] * len(completions),
                           args=args, train_dataset=dataset, tools=[work])
     trainer._last_loaded_step = trainer.state.global_step  # nothing to sync
+    # The per-rollout tool tables that `_generate_and_score_completions` builds before calling `_generate`.
+    trainer._sync_tool_dicts = [{"work": work} for _ in workload]
+    trainer._async_tool_dicts = [{} for _ in workload]
     prompts = [[{"role": "user", "content": "Work."}] for _ in workload]
     started = time.perf_counter()
     _, completion_ids, tool_mask, *_ = trainer._generate(prompts)
@@ -247,7 +249,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         tokenizer = build_model(model_dir)
-        server = Server(model_dir, Path(tmp) / "server.log")
+        server = Server(model_dir, Path(tempfile.gettempdir()) / "retool_bench_async_vllm.log")
         try:
             workload = make_workload(args.batch, args.seed)
             results, seconds = retool_modes(server.url, tokenizer, workload, args.max_len)
@@ -258,15 +260,13 @@ def main():
             tokens = sum(len(ids) for ids in results["async"].completion_ids)
             trl = None
             if not args.skip_trl:
-                fixed = [{**row, "latencies": row["latencies"][:3] + row["latencies"][:1] * (3 - len(row["latencies"]))}
-                         for row in workload]  # 3 calls each, for TRL and for ours
-                fixed = [{**row, "turns": row["turns"][:3]} for row in fixed]
-                for row in fixed:
-                    row["turns"] = [re.sub(r"time\.sleep\([0-9.]+\)", f"time.sleep({lat:.3f})", turn)
-                                    for turn, lat in zip(row["turns"], row["latencies"])]
+                # TRL's loop gives every completion the same number of calls; no prose, so the tokens match too.
+                fixed = make_workload(args.batch, args.seed + 1, calls=3, prose=False)
                 trl_seconds, trl_frequency, trl_tokens = trl_tools(server.url, model_dir, fixed, args.max_len)
                 ours, ours_seconds = retool_modes(server.url, tokenizer, fixed, args.max_len)
                 trl = {"trl_seconds": trl_seconds, "ours_seconds": ours_seconds["async"], "calls": 3 * len(fixed),
+                       "ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
+                       "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
                        "trl_tokens": trl_tokens, "trl_call_frequency": trl_frequency}
         finally:
             server.stop()
