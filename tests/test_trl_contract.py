@@ -65,3 +65,22 @@ def test_private_members_used_by_the_trainer_exist():
     for attribute in ("self.generation_config", "self.generation_kwargs", "self.eos_token_ids", "self._dist"):
         assert attribute in source, attribute
     assert "summon_full_params" in inspect.getsource(GRPOTrainer._generate_single_turn)
+
+
+def test_vllm_generation_state_the_backends_read():
+    """`VLLMBackend` and the async rollout read (and, for sleep mode, set) these members of TRL's private helper."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    parameters = list(inspect.signature(VLLMGeneration.generate).parameters)
+    assert parameters[:5] == ["self", "prompts", "images", "num_generations", "profiler"]
+    source = inspect.getsource(VLLMGeneration)
+    used = [
+        # the barrier backend: per-call budget, stop strings, collective mode, sleep-mode handling
+        "mode", "tensor_parallel_size", "max_completion_length", "generation_kwargs", "enable_sleep_mode",
+        "_llm_weights_sleeping", "llm",
+        # the async rollout: TRL's server-mode sampling settings, sent with each request
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "structured_outputs_regex",
+    ]
+    missing = [name for name in used if f"self.{name} =" not in source]
+    assert not missing, f"VLLMGeneration no longer sets {missing}"
+    assert callable(VLLMGeneration.sync_weights)
