@@ -519,10 +519,11 @@ class LocalSandbox:
                               infra_error=result.infra_error)
         if error:  # the traceback keeps its end: the last line says what happened
             output += cut_output(error, error, len(error), self.max_output_chars, "tail")
-        if reply.get("fatal"):
+        fatal = reply.get("fatal")
+        if fatal:
             self._kill(session)
-            session._mark_broken(str(reply["fatal"]))
-        return ExecResult(output, ok=ok, timed_out=False, duration_s=duration)
+            session._mark_broken(str(fatal))
+        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
 
     def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
         self._kill(session)

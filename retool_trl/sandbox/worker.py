@@ -24,7 +24,6 @@ import ctypes
 import errno
 import fcntl
 import gc
-import io
 import json
 import linecache
 import os
@@ -39,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 16 * 1024 * 1024
@@ -107,6 +107,69 @@ def _write(path, text):
 # ------------------------------------------------------------------------------------------------- session process
 
 
+class _Capture:
+    """A stdout/stderr replacement that keeps only the first and last `limit` characters (and counts the rest)."""
+
+    encoding = "utf-8"
+    errors = "replace"
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.head = []
+        self.head_len = 0
+        self.tail = deque()
+        self.tail_len = 0
+        self.total = 0
+        self.buffer = self  # `sys.stdout.buffer.write(b"...")` works too
+
+    def write(self, text):
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", "replace")
+        elif not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        n = len(text)
+        if not n:
+            return 0
+        self.total += n
+        if self.head_len < self.limit:
+            piece = text[: self.limit - self.head_len]
+            self.head.append(piece)
+            self.head_len += len(piece)
+        self.tail.append(text)
+        self.tail_len += n
+        while self.tail_len - len(self.tail[0]) >= self.limit:
+            self.tail_len -= len(self.tail.popleft())
+        return n
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        return 1  # native writers (and subprocesses) land in the fd-level capture
+
+    def writable(self):
+        return True
+
+    def readable(self):
+        return False
+
+    @property
+    def closed(self):
+        return False
+
+    def texts(self):
+        tail = "".join(self.tail)
+        return "".join(self.head), tail[len(tail) - self.limit :] if len(tail) > self.limit else tail, self.total
+
+
+
 def _format_exception(exc, last_line=None):
     """A short, notebook-like traceback: cell frames (and the last library frames), no frames of this worker."""
     te = traceback.TracebackException.from_exception(exc)
@@ -165,8 +228,19 @@ def _kill_descendants(own_uid):
         time.sleep(0.001)
 
 
+class _CPUTimeExceeded(BaseException):
+    """Raised by the SIGXCPU handler: pid 1 of a namespace ignores the signal's default action (death)."""
+
+
+def _on_sigxcpu(*_):
+    raise _CPUTimeExceeded
+
+
 class _Cell:
-    """Runs cells in one namespace, like a notebook kernel; output goes to fd 1 (the memfd the zygote reads)."""
+    """Runs cells in one namespace, like a notebook kernel.
+
+    Python-level output is kept bounded in memory (head and tail) and appended to fd 1, the memfd that the zygote
+    reads (bounded too), after what native code and subprocesses wrote there."""
 
     def __init__(self, config, own_uid):
         import builtins
@@ -174,14 +248,13 @@ class _Cell:
         self.config, self.own_uid, self.count = config, own_uid, 0
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sink = open(os.devnull, "w")
-        # Lone surrogates and the like become "?" rather than an exception: the output is always valid text.
-        self.out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace")
 
     def run(self, code):
         self.count += 1
         filename = f"<cell-{self.count}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        sys.stdout = sys.stderr = self.out
+        capture = _Capture(self.config["max_output_chars"])
+        sys.stdout = sys.stderr = capture
         error, fatal, ok = None, None, True
         try:
             tree = ast.parse(code, filename)
@@ -191,29 +264,33 @@ class _Cell:
             exec(compile(tree, filename, "exec"), self.namespace)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), self.namespace)
-                self.out.flush()
-                if value is not None and os.fstat(1).st_size == 0:
-                    self.out.write(repr(value) + "\n")
+                if value is not None and capture.total == 0 and os.fstat(1).st_size == 0:
+                    capture.write(repr(value) + "\n")
         except MemoryError as exc:
             ok, fatal = False, "memory limit"
             error = _format_exception(exc, f"MemoryError: memory limit of {self.config['memory_mb']} MB exceeded")
+        except _CPUTimeExceeded as exc:
+            ok, fatal = False, "cpu time limit"
+            error = _format_exception(exc, f"TimeoutError: CPU time limit of {self.config['cpu_time_s']:g} s exceeded")
         except SystemExit as exc:
             ok = exc.code in (None, 0)
             error = f"SystemExit: {exc.code}\n"
         except BaseException as exc:  # noqa: B036 - the cell's KeyboardInterrupt etc. are the cell's errors too
             ok, error = False, _format_exception(exc)
         finally:
-            try:
-                self.out.flush()
-            except (OSError, ValueError):
-                pass
             sys.stdout = sys.stderr = self.sink  # threads that keep printing after the cell print nowhere
         survivors = _kill_leftover_threads()
         _kill_descendants(self.own_uid)
         if survivors:
             ok, fatal = False, "background thread"
             error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
-        return {"ok": ok, "error": error, "fatal": fatal}
+        head, tail, total = capture.texts()
+        text = head if total <= len(head) else head + tail
+        try:
+            os.write(1, text.encode("utf-8", "replace"))
+        except OSError:
+            pass  # the native output already reached the file size limit
+        return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, total - len(text))}
 
 
 def _enter_jail(config):
@@ -248,6 +325,7 @@ def _session_main(config, jail):
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing us
+    signal.signal(signal.SIGXCPU, _on_sigxcpu)
     for directory in jail["cgroups"]:
         _write(os.path.join(directory, "cgroup.procs"), "0")
     if config["jail"]:
@@ -292,11 +370,10 @@ def _session_main(config, jail):
         os.lseek(1, 0, os.SEEK_SET)
         # RLIMIT_CPU is cumulative per process: give each cell its own budget on top of what was used so far.
         used = resource.getrusage(resource.RUSAGE_SELF)
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used.ru_utime + used.ru_stime + cpu_s) + 1, resource.RLIM_INFINITY))
+        soft = int(used.ru_utime + used.ru_stime + cpu_s) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 2))  # SIGKILL at the hard limit, if C code ignores
         status = cell.run(request["code"])
-        os.write(_STATUS_FD, _frame(status))
-        if status["fatal"]:
-            break
+        os.write(_STATUS_FD, _frame(status))  # then park in the read above: the zygote kills us if fatal
     _kill_descendants(uid)
     os._exit(0)
 
@@ -315,6 +392,7 @@ class _Jail:
         self.call_id = None  # the host's id of the call in flight
         self.status = None  # the last status frame of that call, settled once the process is parked
         self.closed = False
+        self.cpu_before = 0.0  # CPU seconds the process had used when the call in flight started
 
     def close_fds(self):
         if self.closed:
@@ -443,6 +521,7 @@ class _Zygote:
             jail.call_id, jail.status = request.get("id"), None
             jail.status_buffer.clear()
             jail.pending += _frame({"code": str(request.get("code", ""))})
+            jail.cpu_before = _cpu_seconds(jail.pid)
             os.kill(jail.pid, signal.SIGCONT)
             self.flush_request(jail)
 
@@ -492,7 +571,7 @@ class _Zygote:
             except OSError:
                 pass
         status = jail.status if isinstance(jail.status, dict) else {}
-        reply = dict(self.read_output(jail), id=jail.call_id, ok=status.get("ok") is True,
+        reply = dict(self.read_output(jail, status.get("skipped", 0)), id=jail.call_id, ok=status.get("ok") is True,
                      error=str(status.get("error") or ""), fatal=status.get("fatal") and str(status["fatal"]))
         jail.call_id, jail.status = None, None
         self.send(jail, reply)
@@ -505,16 +584,17 @@ class _Zygote:
         jail.call_id = None
         self.kill(jail)
 
-    def read_output(self, jail):
+    def read_output(self, jail, skipped=0):
         """The bounded head and tail of what the cell wrote (bytes decoded with replacement: always valid text)."""
         size = os.fstat(jail.output).st_size
         limit = 4 * self.config["max_output_chars"]
+        skipped = min(max(0, skipped), 1 << 40) if isinstance(skipped, int) else 0
         if size <= 2 * limit:
             text = os.pread(jail.output, size, 0).decode("utf-8", "replace")
-            return {"head": text, "tail": text, "total": len(text)}
+            return {"head": text, "tail": text, "total": len(text) + skipped}
         head = os.pread(jail.output, limit, 0).decode("utf-8", "replace")
         tail = os.pread(jail.output, limit, size - limit).decode("utf-8", "replace")
-        return {"head": head, "tail": tail, "total": len(head) + len(tail) + size - 2 * limit}
+        return {"head": head, "tail": tail, "total": len(head) + len(tail) + size - 2 * limit + skipped}
 
     def send(self, jail, reply):
         try:
@@ -560,7 +640,7 @@ class _Zygote:
         """Reaps every dead child without ever blocking, so any number of deaths at once cost one pass."""
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -571,16 +651,18 @@ class _Zygote:
             if pid in self.spares:
                 self.spares.remove(pid)
             if jail.call_id is not None and not jail.closed:
-                self.settle_crash(jail, self.describe_death(jail, status))
+                self.settle_crash(jail, self.describe_death(jail, status, usage))
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
                 self.remove_later(jail.scratch)
         self.graveyard = [path for path in self.graveyard if not self._rmdir(path)]
 
-    def describe_death(self, jail, status):
+    def describe_death(self, jail, status, usage):
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
+            if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime - jail.cpu_before >= self.config["cpu_time_s"]:
+                sig = signal.SIGXCPU  # the hard CPU limit's SIGKILL, after a SIGXCPU that C code did not let through
             return {"signal": sig, "oom": sig == signal.SIGKILL and self.oom_killed(jail)}
         return {"exit": os.WEXITSTATUS(status)}
 
@@ -705,6 +787,15 @@ def _recv_control(sock):
             return None, fds
         data += more
     return json.loads(data), fds
+
+
+def _cpu_seconds(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _probe_jail(config):
