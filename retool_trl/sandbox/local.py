@@ -452,6 +452,8 @@ class LocalSandbox:
         """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
         try:
             zygote = self._start()
+        except UnsafeSandboxError:
+            raise  # a configuration to fix, not a failure to retry
         except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
             return [f"{type(exc).__name__}: {exc}"] * len(sessions)
         pairs = [socket.socketpair() for _ in sessions]

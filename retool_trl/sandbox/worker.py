@@ -546,9 +546,11 @@ class _Zygote:
         jail.status_buffer += data
         try:
             frames = _take_frames(jail.status_buffer, 64 * self.config["max_output_chars"] + (1 << 16))
-        except ValueError:
-            return self.settle_crash(jail, {"why": "the interpreter sent an invalid status"})
-        if frames and jail.call_id is not None:
+        except ValueError:  # garbage on the status pipe: the call still ends only when the process parks or dies
+            jail.status_buffer.clear()
+            frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n",
+                       "fatal": "invalid status"}]
+        if frames and jail.call_id is not None and (jail.status or {}).get("fatal") != "invalid status":
             jail.status = frames[-1]  # a forged frame followed by more work is superseded by the real one
 
     def parked(self, jail):
