@@ -23,6 +23,7 @@ def sandbox_from_config(args):
         num_workers=args.sandbox_workers,
         timeout_s=args.sandbox_timeout_s,
         memory_mb=args.sandbox_memory_mb,
+        allow_root_without_isolation=getattr(args, "sandbox_allow_root_without_isolation", False),
         # The rollout truncates to `max_interpreter_output_chars` on the side the config asks for; keep more here.
         max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
     )
