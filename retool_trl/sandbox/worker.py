@@ -415,6 +415,7 @@ class _Zygote:
         self.jails = {}  # pid -> _Jail (spares and sessions)
         self.spares = []  # pids of jails waiting for a session, oldest first
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
+        self.unsettled = set()  # jails whose status arrived, waiting for their process to park
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
         self.selector = selectors.DefaultSelector()
@@ -558,7 +559,8 @@ class _Zygote:
             frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n",
                        "fatal": "invalid status"}]
         if frames and jail.call_id is not None and (jail.status or {}).get("fatal") != "invalid status":
-            jail.status = frames[-1]  # a forged frame followed by more work is superseded by the real one
+            jail.status = frames[-1]
+            self.unsettled.add(jail)  # a forged frame followed by more work is superseded by the real one
 
     def parked(self, jail):
         """True when the session process is single-threaded and blocked reading its request pipe: the cell is over
@@ -583,6 +585,7 @@ class _Zygote:
         reply = dict(self.read_output(jail, status.get("skipped", 0)), id=jail.call_id, ok=status.get("ok") is True,
                      error=str(status.get("error") or ""), fatal=status.get("fatal") and str(status["fatal"]))
         jail.call_id, jail.status = None, None
+        self.unsettled.discard(jail)
         self.send(jail, reply)
         if reply["fatal"]:
             self.kill(jail)
@@ -634,6 +637,7 @@ class _Zygote:
         self.forget(jail)
 
     def forget(self, jail):
+        self.unsettled.discard(jail)
         if jail.closed:
             return
         for fileobj in (jail.status_r, jail.host):
@@ -711,7 +715,7 @@ class _Zygote:
         for jail in list(self.jails.values()):
             self.kill(jail)
         deadline = time.monotonic() + 5
-        while (self.jails or self.graveyard) and time.monotonic() < deadline:
+        while self.jails and time.monotonic() < deadline:  # cgroups left are the host's to remove
             self.reap()
             time.sleep(0.002)
 
@@ -728,7 +732,7 @@ class _Zygote:
         _send(self.control, {"ready": True, "pid": self.pid, "network_isolated": interfaces in ([], ["lo"]),
                              "jail": self.config["jail"], "own_uid_per_session": self.config["drop_uid"]})
         while True:
-            waiting = [j for j in self.jails.values() if j.status is not None and j.call_id is not None]
+            waiting = [j for j in self.unsettled if j.status is not None and j.call_id is not None and not j.closed]
             refill = len(self.spares) < self.config["spares"]
             timeout = _PARK_POLL_S if waiting else _REFILL_AFTER_S if refill else None
             events = self.selector.select(timeout)
@@ -756,7 +760,7 @@ class _Zygote:
                         self.flush_request(jail)
                     if mask & selectors.EVENT_READ and not jail.closed:
                         self.on_host(jail)
-            for jail in [j for j in self.jails.values() if j.status is not None and j.call_id is not None]:
+            for jail in [j for j in self.unsettled if j.status is not None and j.call_id is not None]:
                 for _ in range(20):  # it parks microseconds after its status: yield the CPU rather than sleep
                     if jail.closed or self.parked(jail):
                         break
