@@ -177,7 +177,7 @@ def seccomp_program() -> tuple[bytes | None, str | None]:
         for name in _DENIED_SYSCALLS:
             try:
                 rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
-            except Exception:  # noqa: BLE001 - a syscall this architecture or libseccomp does not know
+            except Exception:  # noqa: BLE001, S112 - a syscall this architecture or libseccomp does not know
                 continue
         for bit in range(32):  # one rule per namespace flag: any of them set is refused
             if _CLONE_NAMESPACE_FLAGS >> bit & 1:

@@ -1,384 +1,52 @@
-"""The code that runs inside the sandbox: a zygote that forks one jailed interpreter process per session.
+"""The zygote of the local sandbox: forks one jailed session process per session, relays and settles its calls.
 
-Executed as a script (`python -I worker.py CONFIG_JSON CONTROL_FD`), never imported by the trainer, and stdlib-only:
-neither the trainer's packages nor this package's path end up in the sandbox.
-
-* The zygote starts once per `LocalSandbox` (inside bubblewrap when available), pre-imports the configured modules
-  and then forks one *jail* per session, ahead of demand (spares). A jail is one interpreter process that is pid 1 of
-  its own pid namespace, in its own mount, network, IPC and UTS namespaces (private size-bounded /tmp, /dev/shm and
-  /var/tmp, loopback only), in its own memory and pids cgroups, under its own uid, rlimits and a seccomp filter.
-  When that process dies the kernel kills everything in its pid namespace and frees its mounts and IPC objects.
-* The zygote is also the only channel between a session and the host: it relays requests, and it reports results
-  itself. A cell's output goes to a memfd the zygote reads (bounded head and tail); the cell's process reports ok and
-  its traceback on a status pipe, but the zygote settles a call only once that process is parked again (one thread,
-  blocked reading its request pipe), then stops it (SIGSTOP) until the next request. A cell that forges a status frame
-  and keeps running settles nothing; its wall-clock limit (kept by the host) still holds; a death is reported with the
-  zygote's own wait status. The zygote only ever waits with WNOHANG: any number of deaths at once cost one pass.
-
+Executed as a script (`python -I worker.py CONFIG_JSON CONTROL_FD`), never imported by the trainer, and stdlib-only.
+It pre-imports the configured modules once, then forks jails ahead of demand (`session_process.py` is the jail's
+side). It is the only channel between a session and the host, and reports results itself: a call is settled only
+once the session process is parked again (one thread, blocked reading its request pipe), then that process is
+stopped until the next request; a death is reported with the zygote's own wait status, reaped with WNOHANG only.
 Frames on every socket and pipe: a 4-byte big-endian length, then UTF-8 JSON.
 """
 
-import ast
-import base64
-import ctypes
 import errno
-import fcntl
 import gc
 import json
-import linecache
 import os
 import random
-import resource
 import selectors
 import shutil
 import signal
 import socket
 import struct
 import sys
-import threading
 import time
 import traceback
-from collections import deque
 
-_HEADER = struct.Struct("!I")
+# The sibling module `session_process.py`: python -I puts no script directory on sys.path, and cells must not find
+# this package's modules there either, so the directory is on it for this import only.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from session_process import (  # noqa: E402
+    CLONE_NEWPID,
+    HEADER,
+    PR_SET_PDEATHSIG,
+    REQUEST_FD,
+    check,
+    children,
+    cpu_seconds,
+    frame,
+    libc,
+    prctl,
+    probe_jail,
+    session_main,
+    take_frames,
+    write_file,
+)
+del sys.path[0]
+
 _MAX_REQUEST = 16 * 1024 * 1024
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 1, 38, 22, 2
-_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = (
-    0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000)
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
-_REQUEST_FD, _STATUS_FD = 3, 4  # in a session process: 0 /dev/null, 1 and 2 the output memfd
-_THIS_FILE = os.path.abspath(__file__)
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
-_BACKGROUND_NICE = 10
 _PARK_POLL_S = 0.0002
 _SYS_READ = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine)
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _frame(obj):
-    data = json.dumps(obj).encode()
-    return _HEADER.pack(len(data)) + data
-
-
-def _read_exact(fd, n):
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, left)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _take_frames(buffer, max_bytes):
-    """Pops complete frames off a bytearray; raises ValueError on an oversized or malformed one."""
-    frames = []
-    while len(buffer) >= _HEADER.size:
-        (size,) = _HEADER.unpack_from(buffer)
-        if size > max_bytes:
-            raise ValueError(f"a frame of {size} bytes")
-        if len(buffer) < _HEADER.size + size:
-            break
-        frames.append(json.loads(bytes(buffer[_HEADER.size : _HEADER.size + size])))
-        del buffer[: _HEADER.size + size]
-    return frames
-
-
-def _check(result, what):
-    if result != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"{what}: {os.strerror(code)}")
-
-
-def _prctl(option, value):
-    _libc.prctl(option, value, 0, 0, 0)
-
-
-def _mount(source, target, fstype, flags=0, data=None):
-    enc = (lambda s: None if s is None else s.encode())
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
-
-
-def _write(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-# ------------------------------------------------------------------------------------------------- session process
-
-
-class _Capture:
-    """A stdout/stderr replacement that keeps only the first and last `limit` characters (and counts the rest)."""
-
-    encoding = "utf-8"
-    errors = "replace"
-
-    def __init__(self, limit):
-        self.limit = limit
-        self.head = []
-        self.head_len = 0
-        self.tail = deque()
-        self.tail_len = 0
-        self.total = 0
-        self.buffer = self  # `sys.stdout.buffer.write(b"...")` works too
-
-    def write(self, text):
-        if isinstance(text, (bytes, bytearray)):
-            text = bytes(text).decode("utf-8", "replace")
-        elif not isinstance(text, str):
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        n = len(text)
-        if not n:
-            return 0
-        self.total += n
-        if self.head_len < self.limit:
-            piece = text[: self.limit - self.head_len]
-            self.head.append(piece)
-            self.head_len += len(piece)
-        self.tail.append(text)
-        self.tail_len += n
-        while self.tail_len - len(self.tail[0]) >= self.limit:
-            self.tail_len -= len(self.tail.popleft())
-        return n
-
-    def writelines(self, lines):
-        for line in lines:
-            self.write(line)
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
-
-    def fileno(self):
-        return 1  # native writers (and subprocesses) land in the fd-level capture
-
-    def writable(self):
-        return True
-
-    def readable(self):
-        return False
-
-    @property
-    def closed(self):
-        return False
-
-    def texts(self):
-        tail = "".join(self.tail)
-        return "".join(self.head), tail[len(tail) - self.limit :] if len(tail) > self.limit else tail, self.total
-
-
-
-def _format_exception(exc, last_line=None):
-    """A short, notebook-like traceback: cell frames (and the last library frames), no frames of this worker."""
-    te = traceback.TracebackException.from_exception(exc)
-    frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if os.path.abspath(f.filename) != _THIS_FILE]
-    lines = ["Traceback (most recent call last):\n", *traceback.StackSummary.from_list(frames[-5:]).format()]
-    lines = lines if frames else []
-    only = list(te.format_exception_only())
-    if last_line is None and isinstance(exc, SyntaxError):
-        lines += only  # file/line/caret lines, then "SyntaxError: ..." last
-    else:
-        # One final line, whatever the message: the model (and the tests) read the last line as "what happened".
-        lines.append((last_line or " ".join("".join(only).split())) + "\n")
-    return "".join(lines)
-
-
-def _kill_leftover_threads(budget_s=0.25):
-    """Stops threads a cell left running (SystemExit at their next bytecode); returns how many survived."""
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
-    for t in others:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(SystemExit))
-    deadline = time.monotonic() + budget_s
-    for t in others:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return sum(t.is_alive() for t in others)
-
-
-def _children(pid="self"):
-    kids = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids.extend(int(p) for p in f.read().split())
-    except OSError:
-        pass
-    return kids
-
-
-def _kill_descendants(own_uid):
-    """Kills and reaps every process the cell started (as pid 1 of the jail, orphans come back to us)."""
-    for _ in range(200):
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
-        kids = _children()
-        if not kids:
-            return
-        if own_uid:
-            os.kill(-1, signal.SIGKILL)  # every process of this session's uid but this one
-        for pid in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.001)
-
-
-class _CPUTimeExceeded(BaseException):
-    """Raised by the SIGXCPU handler: pid 1 of a namespace ignores the signal's default action (death)."""
-
-
-def _on_sigxcpu(*_):
-    raise _CPUTimeExceeded
-
-
-class _Cell:
-    """Runs cells in one namespace, like a notebook kernel.
-
-    Python-level output is kept bounded in memory (head and tail) and appended to fd 1, the memfd that the zygote
-    reads (bounded too), after what native code and subprocesses wrote there."""
-
-    def __init__(self, config, own_uid):
-        import builtins
-
-        self.config, self.own_uid, self.count = config, own_uid, 0
-        self.namespace = {"__name__": "__main__", "__builtins__": builtins}
-        self.sink = open(os.devnull, "w")
-
-    def run(self, code):
-        self.count += 1
-        filename = f"<cell-{self.count}>"
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        capture = _Capture(self.config["max_output_chars"])
-        sys.stdout = sys.stderr = capture
-        error, fatal, ok = None, None, True
-        try:
-            tree = ast.parse(code, filename)
-            last = None
-            if self.config["show_last_expression"] and tree.body and isinstance(tree.body[-1], ast.Expr):
-                last = ast.Expression(tree.body.pop().value)
-            exec(compile(tree, filename, "exec"), self.namespace)
-            if last is not None:
-                value = eval(compile(last, filename, "eval"), self.namespace)
-                if value is not None and capture.total == 0 and os.fstat(1).st_size == 0:
-                    capture.write(repr(value) + "\n")
-        except MemoryError as exc:
-            ok, fatal = False, "memory limit"
-            error = _format_exception(exc, f"MemoryError: memory limit of {self.config['memory_mb']} MB exceeded")
-        except _CPUTimeExceeded as exc:
-            ok, fatal = False, "cpu time limit"
-            error = _format_exception(exc, f"TimeoutError: CPU time limit of {self.config['cpu_time_s']:g} s exceeded")
-        except SystemExit as exc:
-            ok = exc.code in (None, 0)
-            error = f"SystemExit: {exc.code}\n"
-        except BaseException as exc:  # noqa: B036 - the cell's KeyboardInterrupt etc. are the cell's errors too
-            ok, error = False, _format_exception(exc)
-        finally:
-            sys.stdout = sys.stderr = self.sink  # threads that keep printing after the cell print nowhere
-        survivors = _kill_leftover_threads()
-        _kill_descendants(self.own_uid)
-        if survivors:
-            ok, fatal = False, "background thread"
-            error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
-        head, tail, total = capture.texts()
-        text = head if total <= len(head) else head + tail
-        try:
-            os.write(1, text.encode("utf-8", "replace"))
-        except OSError:
-            pass  # the native output already reached the file size limit
-        return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, total - len(text))}
-
-
-def _enter_jail(config):
-    """Own mount/network/IPC/UTS namespaces (the pid namespace came with the fork): private size-bounded temp
-    directories, a fresh /proc that shows only this jail, and a loopback interface that is up and reaches nothing."""
-    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS), "unshare")
-    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    tmpfs = f"size={config['scratch_mb']}m,nr_inodes={config['max_files']},mode=1777"
-    for target in ("/tmp", "/dev/shm", "/var/tmp"):
-        if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs)
-    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
-
-
-def _install_seccomp(program):
-    """Loads a classic-BPF seccomp filter (built on the host with libseccomp) for this process and its children."""
-    filt = ctypes.create_string_buffer(program)
-
-    class _Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    prog = _Prog(len(program) // 8, ctypes.cast(filt, ctypes.c_void_p))
-    _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
-
-
-def _session_main(config, jail):
-    """Body of a session process (fds already in place): isolation and limits, then cells until EOF."""
-    if jail["warm"]:  # a spare started ahead of demand sets up behind the running cells; reniced when handed out
-        os.setpriority(os.PRIO_PROCESS, 0, _BACKGROUND_NICE)
-    os.setsid()
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing us
-    signal.signal(signal.SIGXCPU, _on_sigxcpu)
-    for directory in jail["cgroups"]:
-        _write(os.path.join(directory, "cgroup.procs"), "0")
-    if config["jail"]:
-        _enter_jail(config)
-    scratch = os.path.join(config["scratch_root"], jail["name"])
-    os.makedirs(config["scratch_root"], mode=0o711, exist_ok=True)
-    os.mkdir(scratch, 0o700)
-    uid = jail["uid"]
-    if uid:
-        os.chown(scratch, uid, uid)
-    os.chdir(scratch)
-    mb = 1024 * 1024
-    limits = [(resource.RLIMIT_AS, config["memory_mb"] * mb), (resource.RLIMIT_FSIZE, config["max_file_size_mb"] * mb),
-              (resource.RLIMIT_NOFILE, config["max_open_files"]), (resource.RLIMIT_CORE, 0)]
-    if uid:  # RLIMIT_NPROC counts the uid's processes: only a per-session uid makes it a per-session cap
-        limits.append((resource.RLIMIT_NPROC, config["max_processes"]))
-    for kind, value in limits:
-        resource.setrlimit(kind, (value, value))
-    if uid:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    if config.get("seccomp"):
-        _install_seccomp(base64.b64decode(config["seccomp"]))
-    os.environ["HOME"] = os.environ["TMPDIR"] = scratch
-    sys.argv = [""]
-    if "random" in sys.modules:  # forked children would otherwise all draw the same "random" numbers
-        sys.modules["random"].seed()
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()
-    if jail["warm"]:  # touch the pages a cell touches now rather than during the first call
-        _Cell(dict(config, show_last_expression=True), uid).run("print(1)\n2")
-    cell = _Cell(config, uid)
-    cpu_s = config["cpu_time_s"]
-    while True:
-        header = _read_exact(_REQUEST_FD, _HEADER.size)  # the zygote sees us parked here between calls
-        if header is None:
-            break
-        request = json.loads(_read_exact(_REQUEST_FD, _HEADER.unpack(header)[0]))
-        os.ftruncate(1, 0)
-        os.lseek(1, 0, os.SEEK_SET)
-        # RLIMIT_CPU is cumulative per process: give each cell its own budget on top of what was used so far.
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        soft = int(used.ru_utime + used.ru_stime + cpu_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 2))  # SIGKILL at the hard limit, if C code ignores
-        status = cell.run(request["code"])
-        os.write(_STATUS_FD, _frame(status))  # then park in the read above: the zygote kills us if fatal
-    _kill_descendants(uid)
-    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------------------- zygote
@@ -436,7 +104,7 @@ class _Zygote:
                              "pids.max": self.config["max_processes"]}}[kind]
             for key, value in limits.items():
                 if os.path.exists(os.path.join(path, key)):
-                    _write(os.path.join(path, key), str(value))
+                    write_file(os.path.join(path, key), str(value))
         return made
 
     def fork_jail(self, warm):
@@ -451,12 +119,12 @@ class _Zygote:
         except OSError:
             cgroups = []
         if self.config["jail"]:
-            _check(_libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
+            check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
         try:
             pid = os.fork()
         finally:
             if self.config["jail"] and os.getpid() == self.pid:
-                _check(_libc.setns(self.own_pidns, _CLONE_NEWPID), "setns(CLONE_NEWPID)")
+                check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
         if pid == 0:
             try:
                 devnull = os.open("/dev/null", os.O_RDONLY)
@@ -464,7 +132,7 @@ class _Zygote:
                 for target, fd in enumerate(mine):
                     os.dup2(fd, target)
                 os.closerange(5, 1 << 16)
-                _session_main(self.config, {"name": name, "uid": uid, "cgroups": cgroups, "warm": warm})
+                session_main(self.config, {"name": name, "uid": uid, "cgroups": cgroups, "warm": warm})
             except BaseException:  # noqa: B036 - a child must never return into the zygote's loop
                 traceback.print_exc()
             os._exit(70)
@@ -501,10 +169,10 @@ class _Zygote:
         # naming another process's pid needs CAP_SYS_ADMIN, which the zygote has when it runs as root).
         try:
             creds = struct.pack("3i", jail.pid, os.getuid(), os.getgid())
-            hello = _frame({"hello": True, "pid": jail.pid, "creds": True})
+            hello = frame({"hello": True, "pid": jail.pid, "creds": True})
             host.sendmsg([hello], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
         except OSError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            host.sendall(_frame({"hello": True, "pid": jail.pid, "creds": False}))
+            host.sendall(frame({"hello": True, "pid": jail.pid, "creds": False}))
         return {"pid": jail.pid}
 
     # -------------------------------------------------------------------------------------------------- calls
@@ -520,7 +188,7 @@ class _Zygote:
             return self.kill(jail)  # the session was closed (or the host is gone)
         jail.host_buffer += data
         try:
-            requests = _take_frames(jail.host_buffer, _MAX_REQUEST)
+            requests = take_frames(jail.host_buffer, _MAX_REQUEST)
         except ValueError:
             return self.kill(jail)
         for request in requests:
@@ -528,8 +196,8 @@ class _Zygote:
                 continue  # one call at a time; the host never sends another before a reply
             jail.call_id, jail.status = request.get("id"), None
             jail.status_buffer.clear()
-            jail.pending += _frame({"code": str(request.get("code", ""))})
-            jail.cpu_before = _cpu_seconds(jail.pid)
+            jail.pending += frame({"code": str(request.get("code", ""))})
+            jail.cpu_before = cpu_seconds(jail.pid)
             os.kill(jail.pid, signal.SIGCONT)
             self.flush_request(jail)
 
@@ -553,7 +221,7 @@ class _Zygote:
             return
         jail.status_buffer += data
         try:
-            frames = _take_frames(jail.status_buffer, 64 * self.config["max_output_chars"] + (1 << 16))
+            frames = take_frames(jail.status_buffer, 64 * self.config["max_output_chars"] + (1 << 16))
         except ValueError:  # garbage on the status pipe: the call still ends only when the process parks or dies
             jail.status_buffer.clear()
             frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n",
@@ -572,7 +240,7 @@ class _Zygote:
                 threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
         except (OSError, StopIteration, ValueError):
             return False
-        return threads == 1 and len(fields) > 1 and fields[0] == str(_SYS_READ) and int(fields[1], 16) == _REQUEST_FD
+        return threads == 1 and len(fields) > 1 and fields[0] == str(_SYS_READ) and int(fields[1], 16) == REQUEST_FD
 
     def settle(self, jail):
         os.kill(jail.pid, signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
@@ -611,17 +279,17 @@ class _Zygote:
     def send(self, jail, reply):
         try:
             jail.host.setblocking(True)
-            jail.host.sendall(_frame(reply))
+            jail.host.sendall(frame(reply))
             jail.host.setblocking(False)
         except OSError:
             pass  # the host gave up on this call (timeout): the session is being killed
 
     @staticmethod
     def descendants(pid):
-        found, todo = [], _children(pid)
+        found, todo = [], children(pid)
         while todo:
             found.append(todo.pop())
-            todo.extend(_children(found[-1]))
+            todo.extend(children(found[-1]))
         return found
 
     # ------------------------------------------------------------------------------------------ deaths, cleanup
@@ -674,7 +342,8 @@ class _Zygote:
     def describe_death(self, jail, status, usage):
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime - jail.cpu_before >= self.config["cpu_time_s"]:
+            used = usage.ru_utime + usage.ru_stime - jail.cpu_before
+            if sig == signal.SIGKILL and used >= self.config["cpu_time_s"]:
                 sig = signal.SIGXCPU  # the hard CPU limit's SIGKILL, after a SIGXCPU that C code did not let through
             return {"signal": sig, "oom": sig == signal.SIGKILL and self.oom_killed(jail)}
         return {"exit": os.WEXITSTATUS(status)}
@@ -781,22 +450,22 @@ class _Zygote:
 
 
 def _send(sock, obj):
-    sock.sendall(_frame(obj))
+    sock.sendall(frame(obj))
 
 
 def _recv_control(sock):
     """Reads one control frame and the descriptors riding on its first byte; (None, []) at EOF."""
     fds = []
-    header, anc, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(4 * 4))
+    header, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
-    while header and len(header) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(header))
+    while header and len(header) < HEADER.size:
+        more = sock.recv(HEADER.size - len(header))
         header = header + more if more else b""
     if not header:
         return None, fds
-    size = _HEADER.unpack(header)[0]
+    size = HEADER.unpack(header)[0]
     data = b""
     while len(data) < size:
         more = sock.recv(size - len(data))
@@ -806,39 +475,11 @@ def _recv_control(sock):
     return json.loads(data), fds
 
 
-def _cpu_seconds(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _probe_jail(config):
-    """Whether this process can build jails (namespaces and mounts need root, or a user namespace's root)."""
-    if os.geteuid() != 0:
-        return "not root"
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWPID), "unshare")
-            _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-            _mount("tmpfs", "/tmp", "tmpfs", 0, "size=1m")
-            os._exit(0)
-        except BaseException:  # noqa: B036
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    return None if status == 0 else "unshare or mount failed"
-
-
 def main():
     config = json.loads(sys.argv[1])
     control = socket.socket(fileno=int(sys.argv[2]))
-    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(_THIS_FILE):
-        del sys.path[0]  # cells must not import this package's modules as top-level names
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    problem = _probe_jail(config) if config["jail"] else "not asked for"
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    problem = probe_jail() if config["jail"] else "not asked for"
     if config["jail"] and problem:
         _send(control, {"warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
                                    "and IPC namespaces"})
