@@ -127,8 +127,8 @@ def main() -> None:
     row["speedup_p50"] = row["baseline_p50_ms"] / row["p50_ms"]
     row["speedup_p99"] = row["baseline_p99_ms"] / row["p99_ms"]
     row["throughput_ratio"] = row["throughput_per_s"] / row["baseline_throughput_per_s"]
-    row.update(sessions=args.sessions, workers=workers, spares=spares, idle_s=args.idle, isolation=isolation, startup_s=startup_s,
-               cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
+    row.update(sessions=args.sessions, workers=workers, spares=spares, idle_s=args.idle, isolation=isolation,
+               startup_s=startup_s, cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
 
     print(f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
           f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "

@@ -192,7 +192,8 @@ def test_network_and_abstract_sockets_are_private(sandbox, report):
     _require(report, "jail_per_session")
     a, b = sandbox.session(), sandbox.session()
     listen = ("import socket\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 0))\nsrv.listen()\n"
-              "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0retool-jail-test')\nu.listen()\nprint(srv.getsockname()[1])")
+              "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0retool-jail-test')\nu.listen()\n"
+              "print(srv.getsockname()[1])")
     port = int(a.run(listen).output)
     assert a.run(f"socket.create_connection(('127.0.0.1', {port}), 1).close()").ok  # it does listen
     probe = b.run(f"import socket\nfor addr in [('127.0.0.1', {port})]:\n    try:\n"
