@@ -85,7 +85,7 @@ FORGE = """
 import json, os, struct, sys
 ids = [f.f_locals[k].get("id") for f in [sys._getframe(i) for i in range(1, 6) if sys._getframe(i)]
        for k in ("request", "reply") if isinstance(f.f_locals.get(k), dict)]
-for body in [{"id": i, "ok": True, "head": "x" * 120000, "tail": "x" * 120000, "total": 120000, "error": None,
+for body in [{"id": i, "ok": True, "head": "x" * 20000, "tail": "x" * 20000, "total": 20000, "error": None,
               "fatal": None} for i in ids + [0, 1]] + [{"ok": True, "error": None, "fatal": None, "skipped": 0}]:
     data = json.dumps(body).encode()
     for fd in range(256):
