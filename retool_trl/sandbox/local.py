@@ -161,6 +161,8 @@ class LocalSandbox:
         self.spares = int(spares) if spares is not None else max(4, 2 * self.num_workers)
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
+        self._ready: list[tuple[_Zygote, _Proc]] = []  # jails handed out by the zygote, not yet given a session
+        self._ready_lock = threading.Lock()
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -295,6 +297,10 @@ class LocalSandbox:
         """Stops every session and the zygote; removes all scratch directories. Idempotent."""
         with self._lock:
             self._closed = True
+        with self._ready_lock:
+            ready, self._ready = self._ready, []
+        for _, proc in ready:
+            proc.close()
         self._finalizer()
 
     def __enter__(self) -> "LocalSandbox":
@@ -319,29 +325,48 @@ class LocalSandbox:
             raise  # a configuration to fix, not a failure to retry
         except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
             return [f"{type(exc).__name__}: {exc}"] * len(sessions)
-        pairs = [socket.socketpair() for _ in sessions]
-        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
-            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        requests = [
-            ({"op": "spawn", "name": s._name}, theirs.fileno()) for s, (_, theirs) in zip(sessions, pairs)
-        ]
-        try:
-            replies = zygote.spawn_many(requests)
-        except (OSError, ConnectionError, ValueError) as exc:
-            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(sessions)
+        with self._ready_lock:
+            # Jails handed out ahead of time (see below) save a round trip to the zygote on a session's first call.
+            stale = [proc for owner, proc in self._ready if owner is not zygote]
+            self._ready = [(owner, proc) for owner, proc in self._ready if owner is zygote]
+            taken = [self._ready.pop(0)[1] for _ in range(min(len(sessions), len(self._ready)))]
+            # A round trip is needed anyway: bring the ready jails back to `num_workers` in the same one.
+            extra = max(0, self.num_workers - len(self._ready)) if len(taken) < len(sessions) else 0
+        for proc in stale:
+            proc.close()
+        fresh = self._handed_out(zygote, len(sessions) - len(taken) + extra) if len(taken) < len(sessions) else []
+        procs = taken + fresh[: len(sessions) - len(taken)]
+        with self._ready_lock:
+            self._ready += [(zygote, proc) for proc in fresh[len(procs) - len(taken) :] if isinstance(proc, _Proc)]
         errors = []
-        for session, (ours, theirs), reply in zip(sessions, pairs, replies):
-            theirs.close()
-            if "pid" not in reply:
-                ours.close()
-                errors.append(f"SandboxError: could not start a session process: {reply.get('error')}")
+        for session, proc in zip(sessions, procs):
+            if not isinstance(proc, _Proc):
+                errors.append(proc)
                 continue
-            ours.setblocking(False)
-            proc = _Proc(ours, reply["pid"])
             session._proc = proc
             session._finalizer = weakref.finalize(session, proc.close)
             errors.append(None)
         return errors
+
+    def _handed_out(self, zygote: _Zygote, count: int) -> list[_Proc | str]:
+        """Asks the zygote for `count` jails in one round trip: a `_Proc` per jail, or the error text."""
+        pairs = [socket.socketpair() for _ in range(count)]
+        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            replies = zygote.spawn_many([({"op": "spawn"}, theirs.fileno()) for _, theirs in pairs])
+        except (OSError, ConnectionError, ValueError) as exc:
+            replies = [{"error": f"sandbox zygote failed: {exc}"}] * count
+        procs: list[_Proc | str] = []
+        for (ours, theirs), reply in zip(pairs, replies):
+            theirs.close()
+            if "pid" not in reply:
+                ours.close()
+                procs.append(f"SandboxError: could not start a session process: {reply.get('error')}")
+                continue
+            ours.setblocking(False)
+            procs.append(_Proc(ours, reply["pid"]))
+        return procs
 
     def _kill(self, session: LocalSession) -> None:
         """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;
