@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
+from retool_trl.sandbox.isolation import bwrap_command, bwrap_usable, clean_env, find_bwrap  # noqa: E402
 from retool_trl.sandbox.local import DEFAULT_PRELOAD  # noqa: E402
 
 FIRST = "x = 6 * 7\nprint(x)"
@@ -85,6 +86,34 @@ def bench_baseline(calls: int, workers: int) -> dict:
     return {"latencies": latencies, "throughput": calls / (time.perf_counter() - t)}
 
 
+def bench_jail_startup(preload: tuple[str, ...], workers: int, runs: int) -> dict:
+    """The two ways to give each session its own jail, measured side by side (wall ms, median of `runs`):
+    a process forked from the zygote that enters fresh namespaces (what `LocalSandbox` does, here on demand with no
+    jail pre-started), against a fresh bubblewrap + interpreter per session that imports the same modules."""
+    forked = []
+    with LocalSandbox(num_workers=workers, timeout_s=30.0, preload=preload, spares=0) as sandbox:
+        sandbox.session().run("pass")
+        for _ in range(runs):
+            session = sandbox.session()
+            sandbox._ready.clear()  # no jail handed out ahead: each first call forks one
+            t = time.perf_counter()
+            assert session.run("x = 1").ok
+            forked.append(time.perf_counter() - t)
+            session.close()
+            time.sleep(0.05)
+    bwrap = find_bwrap()
+    fresh = []
+    if bwrap_usable(bwrap, False) is None:
+        imports = ";".join(f"import {name}" for name in preload) or "pass"
+        argv = bwrap_command(bwrap, __file__, False, 64) + ["--", sys.executable, "-I", "-c", imports]
+        for _ in range(runs):
+            t = time.perf_counter()
+            subprocess.run(argv, capture_output=True, check=True, timeout=120, env=clean_env())
+            fresh.append(time.perf_counter() - t)
+    return {"forked_jail_first_call_ms": percentile(forked, 0.5) * 1000.0,
+            "fresh_bwrap_interpreter_ms": percentile(fresh, 0.5) * 1000.0 if fresh else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
@@ -96,6 +125,8 @@ def main() -> None:
                         help="seconds of 'generation' before the throughput rounds, when jails are pre-started")
     parser.add_argument("--preload", default="default",
                         help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
+    parser.add_argument("--jail-startup", type=int, default=0, metavar="RUNS",
+                        help="also compare a forked jail with a fresh bubblewrap + interpreter per session")
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = parser.parse_args()
 
@@ -141,6 +172,10 @@ def main() -> None:
           f"{row['baseline_throughput_per_s']:12.0f}")
     print(f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
           f"{row['throughput_ratio']:11.1f}x")
+    if args.jail_startup:
+        row.update(bench_jail_startup(preload, workers, args.jail_startup))
+        print(f"jail per session: forked from the zygote, first call {row['forked_jail_first_call_ms']:.1f} ms; "
+              f"fresh bubblewrap + interpreter {row['fresh_bwrap_interpreter_ms'] or float('nan'):.1f} ms")
     targets = [
         ("p50 >= 20x lower than baseline", row["speedup_p50"] >= 20),
         ("p99 <= 20 ms", row["p99_ms"] <= 20),

@@ -363,15 +363,6 @@ def session_main(config, jail):
     os._exit(0)
 
 
-def cpu_seconds(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 def probe_jail():
     """Whether this process can build jails (namespaces and mounts need root, or a user namespace's root)."""
     if os.geteuid() != 0:

@@ -32,7 +32,6 @@ from session_process import (  # noqa: E402
     REQUEST_FD,
     check,
     children,
-    cpu_seconds,
     frame,
     libc,
     prctl,
@@ -46,7 +45,8 @@ del sys.path[0]
 _MAX_REQUEST = 16 * 1024 * 1024
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
 _PARK_POLL_S = 0.0002
-_SYS_READ = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine)
+_SYS_READ = str({"x86_64": 0, "aarch64": 63}.get(os.uname().machine)).encode()
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------------------- zygote
@@ -197,9 +197,8 @@ class _Zygote:
             jail.call_id, jail.status = request.get("id"), None
             jail.status_buffer.clear()
             jail.pending += frame({"code": str(request.get("code", ""))})
-            jail.cpu_before = cpu_seconds(jail.pid)
-            os.kill(jail.pid, signal.SIGCONT)
             self.flush_request(jail)
+            os.kill(jail.pid, signal.SIGCONT)  # after the write: it resumes with its request already there
 
     def flush_request(self, jail):
         try:
@@ -234,17 +233,20 @@ class _Zygote:
         """True when the session process is single-threaded and blocked reading its request pipe: the cell is over
         (whatever it wrote on its status pipe before) and nothing of it can still run."""
         try:
-            with open(f"/proc/{jail.pid}/syscall") as f:
+            with open(f"/proc/{jail.pid}/syscall", "rb") as f:
                 fields = f.read().split()
-            with open(f"/proc/{jail.pid}/status") as f:
-                threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-        except (OSError, StopIteration, ValueError):
+            with open(f"/proc/{jail.pid}/stat", "rb") as f:
+                stat = f.read().rsplit(b")", 1)[1].split()
+            threads = int(stat[17])
+            # Stopped from here until the next call: this is the CPU time the next call starts from.
+            jail.cpu_before = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
             return False
-        return threads == 1 and len(fields) > 1 and fields[0] == str(_SYS_READ) and int(fields[1], 16) == REQUEST_FD
+        return threads == 1 and len(fields) > 1 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD
 
     def settle(self, jail):
         os.kill(jail.pid, signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
-        for pid in self.descendants(jail.pid):
+        for pid in self.descendants(jail.pid, single_threaded=True):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -285,7 +287,15 @@ class _Zygote:
             pass  # the host gave up on this call (timeout): the session is being killed
 
     @staticmethod
-    def descendants(pid):
+    def descendants(pid, single_threaded=False):
+        """Every process below `pid` (of a parked, single-threaded process: one /proc file when there is none)."""
+        if single_threaded:
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+                    if not f.read().strip():
+                        return []
+            except OSError:
+                return []
         found, todo = [], children(pid)
         while todo:
             found.append(todo.pop())
