@@ -45,6 +45,7 @@ del sys.path[0]
 _MAX_REQUEST = 16 * 1024 * 1024
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
 _PARK_POLL_S = 0.0002
+_RETIRE_BATCH = 32  # closed sessions kept stopped at most before they are killed even while busy
 _SYS_READ = str({"x86_64": 0, "aarch64": 63}.get(os.uname().machine)).encode()
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -84,6 +85,7 @@ class _Zygote:
         self.spares = []  # pids of jails waiting for a session, oldest first
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
         self.unsettled = set()  # jails whose status arrived, waiting for their process to park
+        self.retired = []  # closed sessions, stopped, to be killed at the next idle moment
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
         self.selector = selectors.DefaultSelector()
@@ -185,7 +187,7 @@ class _Zygote:
         except OSError:
             data = b""
         if not data:
-            return self.kill(jail)  # the session was closed (or the host is gone)
+            return self.retire(jail)  # the session was closed (or the host is gone)
         jail.host_buffer += data
         try:
             requests = take_frames(jail.host_buffer, _MAX_REQUEST)
@@ -306,13 +308,32 @@ class _Zygote:
 
     def kill(self, jail):
         # pid 1 of its namespace: the kernel takes the rest of the jail along (without one: its process group).
-        for kill in (os.kill, os.killpg):
+        # Once reaped its pid may belong to another process: only a jail not yet reaped is signalled.
+        for kill in (os.kill, os.killpg) if jail.pid in self.jails else ():
             try:
                 kill(jail.pid, signal.SIGKILL)
             except OSError:
                 pass
         jail.call_id = None
         self.forget(jail)
+
+    def retire(self, jail):
+        """A closed session: stopped now (nothing of it runs any more), killed when the zygote is idle or enough
+        are waiting, so that the kernel's teardown of its namespaces does not compete with the running cells."""
+        try:
+            os.kill(jail.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        jail.call_id = None
+        self.forget(jail)
+        self.retired.append(jail)
+        if len(self.retired) >= _RETIRE_BATCH:
+            self.kill_retired()
+
+    def kill_retired(self):
+        retired, self.retired = self.retired, []
+        for jail in retired:
+            self.kill(jail)
 
     def forget(self, jail):
         self.unsettled.discard(jail)
@@ -341,6 +362,8 @@ class _Zygote:
                 continue  # a scratch remover
             if pid in self.spares:
                 self.spares.remove(pid)
+            if jail in self.retired:
+                self.retired.remove(jail)
             if jail.call_id is not None and not jail.closed:
                 self.settle_crash(jail, self.describe_death(jail, status, usage))
             self.forget(jail)
@@ -391,6 +414,7 @@ class _Zygote:
             shutil.rmtree(path, ignore_errors=True)
 
     def shutdown(self):
+        self.retired = []
         for jail in list(self.jails.values()):
             self.kill(jail)
         deadline = time.monotonic() + 5
@@ -412,10 +436,12 @@ class _Zygote:
                              "jail": self.config["jail"], "own_uid_per_session": self.config["drop_uid"]})
         while True:
             waiting = [j for j in self.unsettled if j.status is not None and j.call_id is not None and not j.closed]
-            refill = len(self.spares) < self.config["spares"]
+            refill = len(self.spares) < self.config["spares"] or self.retired
             timeout = _PARK_POLL_S if waiting else _REFILL_AFTER_S if refill else None
             events = self.selector.select(timeout)
-            if not events and refill and not waiting:
+            if not events and self.retired and not waiting:
+                self.kill_retired()
+            elif not events and refill and not waiting:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
                 except OSError:
