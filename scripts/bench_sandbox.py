@@ -6,6 +6,10 @@ the state of the first. Limits and isolation stay on (bubblewrap when it works, 
 
     python scripts/bench_sandbox.py [--sessions 64] [--json]
 
+Jails are pre-started while the model generates: the sandbox keeps `--spares` of them (default: one batch), and the
+run idles `--idle` seconds before each phase, as a trainer does while it loads and generates (not measured).
+`--jail-startup N` also times the two ways of giving each session its own jail, side by side.
+
 Latency: one call at a time (what a single completion waits for). Throughput: `run_many` over all sessions, round by
 round (what a batched rollout sees). Baseline: `python -I -S -c SNIPPET` per call, sequential for latency and
 `num_workers` at a time for throughput. With `--json` the last stdout line is one JSON object.
@@ -121,7 +125,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--spares", type=int, default=None,
                         help="jails kept pre-started (default: --sessions, one rollout batch)")
-    parser.add_argument("--idle", type=float, default=2.0,
+    parser.add_argument("--idle", type=float, default=5.0,
                         help="seconds of 'generation' before the throughput rounds, when jails are pre-started")
     parser.add_argument("--preload", default="default",
                         help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
