@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import stat
 import subprocess
@@ -190,21 +189,3 @@ def seccomp_program() -> tuple[bytes | None, str | None]:
             return f.read(), None
     except Exception as exc:  # noqa: BLE001
         return None, f"could not build the seccomp filter: {exc}"
-
-
-class UidAllocator:
-    """Hands out a fresh uid per session from a random high range, so concurrent sandboxes (other tests, other
-    trainers on the machine) do not share uids, and with them RLIMIT_NPROC counts and kill(-1) reach."""
-
-    _SPAN = 1 << 20
-
-    def __init__(self):
-        self._base = random.randrange(1 << 24, (1 << 31) - 2 * self._SPAN)
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def allocate(self) -> int:
-        with self._lock:
-            uid = self._base + self._next % self._SPAN
-            self._next += 1
-            return uid

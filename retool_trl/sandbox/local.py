@@ -77,11 +77,12 @@ class LocalSandbox:
     """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
-    process per session (~ms): a session's state lives in its own process, so state never leaks between sessions
-    and a crash, timeout or memory blow-up only breaks that session. Each session process runs under its own
-    unprivileged uid, in a fresh scratch directory, with a cleaned environment, no network, and rlimits on address
-    space, CPU time, processes, file size and open files. Whatever a cell starts (threads, child processes) is stopped
-    when the cell returns.
+    *jail* per session, ahead of demand: a process that is pid 1 of its own pid namespace, with its own mount, network
+    and IPC namespaces (private size-bounded /tmp, loopback only), memory and pids cgroups where the machine allows,
+    its own unprivileged uid, rlimits, a cleaned environment and a seccomp filter. State never leaks between sessions,
+    a crash, timeout or memory blow-up only breaks that session, and whatever a cell starts (threads, child
+    processes) is stopped when the cell returns. The zygote, out of the cells' reach, reports every result: a cell
+    cannot end its call early, exceed the output limit or outlive its timeout or its session, whatever it writes.
 
     `run_many` executes a batch concurrently: up to `num_workers` cells use the CPUs at once, and cells that are
     blocked (sleeping, waiting) do not hold a slot, so a slow cell never holds up the rest.
@@ -92,9 +93,11 @@ class LocalSandbox:
     Args:
         num_workers (`int`, *optional*): Cells allowed to compute at once (default: `os.cpu_count()`).
         timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start.
-        memory_mb (`int`, defaults to `1024`): Address-space limit of a session process (and of each child).
+        memory_mb (`int`, defaults to `1024`):
+            Address-space limit of each process of a session and, where a memory cgroup is writable, the memory bound
+            of the whole session (its processes and its /tmp together).
         cpu_time_s (`float`, *optional*): CPU seconds one cell may use (default: `timeout_s + 1`).
-        max_processes (`int`, defaults to `64`): Processes and threads a session may have at once.
+        max_processes (`int`, defaults to `64`): Processes and threads a session may have at once (pids cgroup).
         max_file_size_mb (`int`, defaults to `16`): Largest file a cell may write.
         max_open_files (`int`, defaults to `64`): Open file descriptors per process.
         max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
