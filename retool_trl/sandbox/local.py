@@ -232,6 +232,7 @@ class LocalSandbox:
                 "jail_scratch_root": SANDBOX_SCRATCH_ROOT,
                 "scratch_mb": self.scratch_mb,
                 "max_files": self.max_files,
+                "network": self.network,
                 "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
                 "drop_uid": self._drop_privileges,
                 "cgroups": self._cgroups.roots,

@@ -279,15 +279,17 @@ class _Cell:
 def _enter_jail(config):
     """Own mount/network/IPC/UTS namespaces (the pid namespace came with the fork): private size-bounded temp
     directories, a fresh /proc that shows only this jail, and a loopback interface that is up and reaches nothing."""
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    network = 0 if config.get("network") else CLONE_NEWNET  # LocalSandbox(network=True) keeps the host's network
+    check(libc.unshare(CLONE_NEWNS | network | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     tmpfs = f"size={config['scratch_mb']}m,nr_inodes={config['max_files']},mode=1777"
     for target in ("/tmp", "/dev/shm", "/var/tmp"):
         if os.path.isdir(target):
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
+    if network:
+        with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
+            fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
 
 
 def _install_seccomp(program):
