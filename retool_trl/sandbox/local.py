@@ -113,7 +113,7 @@ class LocalSandbox:
         allow_root_without_isolation (`bool`, defaults to `False`):
             As root, run cells even when bubblewrap does not work (they would then see the host file system with
             root's reach, bar the per-session uid). Without it, that situation raises `UnsafeSandboxError`.
-        spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, 2 * num_workers)`).
+        spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, num_workers)`).
 
     Example:
         ```python
@@ -161,7 +161,7 @@ class LocalSandbox:
         self.scratch_mb = int(scratch_mb)
         self.max_files = int(max_files)
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
-        self.spares = int(spares) if spares is not None else max(4, 2 * self.num_workers)
+        self.spares = int(spares) if spares is not None else max(4, self.num_workers)
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
         self._ready: list[tuple[_Zygote, _Proc]] = []  # jails handed out by the zygote, not yet given a session

@@ -1,6 +1,7 @@
 """The session side of the local sandbox: one jailed interpreter process that runs a session's cells.
 
-Imported by `worker.py` inside the sandbox (stdlib-only, never by the trainer). The zygote forks this process as pid 1
+Imported by `worker.py` inside the sandbox (stdlib-only, never by the trainer), which also keeps its handle on each
+jail (`Jail`) here. The zygote forks this process as pid 1
 of a fresh pid namespace; `session_main` enters its own mount, network, IPC and UTS namespaces, its cgroups, uid,
 rlimits and seccomp filter, then runs cells read from fd 3 and reports each cell's ok and traceback on fd 4. What a
 cell prints reaches fd 1, a memfd that only the zygote reads; the zygote decides when a call is over.
@@ -380,3 +381,51 @@ def probe_jail():
             os._exit(1)
     _, status = os.waitpid(pid, 0)
     return None if status == 0 else "unshare or mount failed"
+
+
+# ------------------------------------------------------------------------------- used by the zygote
+
+
+class Jail:
+    """The zygote's handle on one session process: its pipes, output memfd, cgroups and the call in flight."""
+
+    def __init__(self, pid, request_w, status_r, output, cgroups, scratch):
+        self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
+        self.cgroups, self.scratch = cgroups, scratch
+        self.host = None  # the session's socket to the host, once handed out
+        self.host_buffer, self.status_buffer, self.pending = bytearray(), bytearray(), b""
+        self.call_id = None  # the host's id of the call in flight
+        self.status = None  # the last status frame of that call, settled once the process is parked
+        self.closed = False
+        self.cpu_before = 0.0  # CPU seconds the process had used when the call in flight started
+
+    def close_fds(self):
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self.request_w, self.status_r, self.output):
+            os.close(fd)
+        if self.host is not None:
+            self.host.close()
+
+
+def recv_control(sock):
+    """Reads one control frame and the descriptors riding on its first byte; (None, []) at EOF."""
+    fds = []
+    header, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
+    while header and len(header) < HEADER.size:
+        more = sock.recv(HEADER.size - len(header))
+        header = header + more if more else b""
+    if not header:
+        return None, fds
+    size = HEADER.unpack(header)[0]
+    data = b""
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            return None, fds
+        data += more
+    return json.loads(data), fds

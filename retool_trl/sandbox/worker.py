@@ -27,7 +27,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from session_process import (  # noqa: E402
     CLONE_NEWPID,
-    HEADER,
+    Jail,
     PR_SET_PDEATHSIG,
     REQUEST_FD,
     check,
@@ -35,6 +35,7 @@ from session_process import (  # noqa: E402
     frame,
     libc,
     prctl,
+    recv_control,
     probe_jail,
     session_main,
     take_frames,
@@ -51,29 +52,6 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------------------- zygote
-
-
-class _Jail:
-    """The zygote's handle on one session process: its pipes, output memfd, cgroups and the call in flight."""
-
-    def __init__(self, pid, request_w, status_r, output, cgroups, scratch):
-        self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
-        self.cgroups, self.scratch = cgroups, scratch
-        self.host = None  # the session's socket to the host, once handed out
-        self.host_buffer, self.status_buffer, self.pending = bytearray(), bytearray(), b""
-        self.call_id = None  # the host's id of the call in flight
-        self.status = None  # the last status frame of that call, settled once the process is parked
-        self.closed = False
-        self.cpu_before = 0.0  # CPU seconds the process had used when the call in flight started
-
-    def close_fds(self):
-        if self.closed:
-            return
-        self.closed = True
-        for fd in (self.request_w, self.status_r, self.output):
-            os.close(fd)
-        if self.host is not None:
-            self.host.close()
 
 
 class _Zygote:
@@ -143,7 +121,7 @@ class _Zygote:
         os.set_blocking(request_w, False)
         os.set_blocking(status_r, False)
         scratch = None if self.config["jail"] else os.path.join(self.config["scratch_root"], name)
-        self.jails[pid] = jail = _Jail(pid, request_w, status_r, output, cgroups, scratch)
+        self.jails[pid] = jail = Jail(pid, request_w, status_r, output, cgroups, scratch)
         self.selector.register(status_r, selectors.EVENT_READ, ("status", jail))
         return pid
 
@@ -281,10 +259,16 @@ class _Zygote:
         return {"head": head, "tail": tail, "total": len(head) + len(tail) + size - 2 * limit + skipped}
 
     def send(self, jail, reply):
+        data = frame(reply)
         try:
-            jail.host.setblocking(True)
-            jail.host.sendall(frame(reply))
-            jail.host.setblocking(False)
+            try:
+                sent = jail.host.send(data)  # a reply almost always fits the socket buffer: no blocking toggles
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                jail.host.setblocking(True)
+                jail.host.sendall(data[sent:])
+                jail.host.setblocking(False)
         except OSError:
             pass  # the host gave up on this call (timeout): the session is being killed
 
@@ -475,7 +459,7 @@ class _Zygote:
 
     def on_control(self):
         try:
-            request, fds = _recv_control(self.control)
+            request, fds = recv_control(self.control)
         except (OSError, ValueError):
             request, fds = None, []
         if request is None or request.get("op") == "shutdown":
@@ -487,28 +471,6 @@ class _Zygote:
 
 def _send(sock, obj):
     sock.sendall(frame(obj))
-
-
-def _recv_control(sock):
-    """Reads one control frame and the descriptors riding on its first byte; (None, []) at EOF."""
-    fds = []
-    header, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
-    while header and len(header) < HEADER.size:
-        more = sock.recv(HEADER.size - len(header))
-        header = header + more if more else b""
-    if not header:
-        return None, fds
-    size = HEADER.unpack(header)[0]
-    data = b""
-    while len(data) < size:
-        more = sock.recv(size - len(data))
-        if not more:
-            return None, fds
-        data += more
-    return json.loads(data), fds
 
 
 def main():
