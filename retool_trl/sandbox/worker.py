@@ -27,9 +27,9 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from session_process import (  # noqa: E402
     CLONE_NEWPID,
-    Jail,
     PR_SET_PDEATHSIG,
     REQUEST_FD,
+    Jail,
     check,
     children,
     frame,
@@ -41,6 +41,7 @@ from session_process import (  # noqa: E402
     take_frames,
     write_file,
 )
+
 del sys.path[0]
 
 _MAX_REQUEST = 16 * 1024 * 1024
