@@ -143,6 +143,11 @@ class ReToolConfig(GRPOConfig):
     )
     sandbox_timeout_s: float = field(default=5.0, metadata={"help": "Wall-clock limit of one code execution."})
     sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})
+    sandbox_allow_root_without_isolation: bool = field(
+        default=False,
+        metadata={"help": "Local sandbox: as root, run code even when bubblewrap does not work (cells then see the "
+                          "host file system). Off by default: the sandbox refuses and says how to fix it."},
+    )
     sandbox_url: str | None = field(
         default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}
     )

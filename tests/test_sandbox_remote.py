@@ -58,7 +58,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, {"status": "SandboxError", "message": "executor pod died", "run_result": None})
         start = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, "-I", "-c", request["code"]], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-I", "-c", request["code"]], capture_output=True, text=True, errors="surrogateescape",
                                   timeout=float(request["run_timeout"]))
             run = {"status": "Finished", "return_code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
         except subprocess.TimeoutExpired as exc:
@@ -193,3 +193,10 @@ def test_build_and_lifecycle(server):
     sb.close()
     with pytest.raises(RuntimeError):
         sb.session()
+
+
+def test_output_is_valid_text_whatever_is_printed(sandbox):
+    # The fake service, like one written in Python, passes raw bytes on as lone surrogates in its JSON.
+    r = sandbox.session().run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\n')")
+    r.output.encode("utf-8")  # strict: no lone surrogates
+    assert r.ok and r.output.startswith("ok "), r

@@ -7,7 +7,7 @@ transformers.
 """
 
 from .base import ExecResult, Sandbox, Session, truncate_output
-from .local import LocalSandbox, LocalSession
+from .local import LocalSandbox, LocalSession, UnsafeSandboxError
 
 __all__ = [
     "ExecResult",
@@ -19,6 +19,7 @@ __all__ = [
     "Session",
     "build_sandbox",
     "truncate_output",
+    "UnsafeSandboxError",
 ]
 
 _BACKENDS = ("local", "remote")

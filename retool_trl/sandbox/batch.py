@@ -188,7 +188,9 @@ class Batch:
                 reply = json.loads(payload)
             except ValueError:
                 reply = None
-            # Hellos, and stale or forged frames a cell may have written to its own socket, settle nothing.
+            if isinstance(reply, dict) and reply.get("hello") and reply.get("creds") is False:
+                proc.learn_pid(int(reply["pid"]))
+            # Only the zygote writes on this socket (cells cannot reach it); a reply for another call settles nothing.
             if isinstance(reply, dict) and reply.get("id") == entry.request_id and not reply.get("hello"):
                 self._finish(entry, self.sandbox._reply_result, reply, duration)
                 return

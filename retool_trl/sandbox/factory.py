@@ -13,7 +13,7 @@ def sandbox_from_config(args) -> Sandbox:
 
     Args:
         args: Has `sandbox_backend`, `sandbox_timeout_s` and, for `"local"`, `sandbox_workers`, `sandbox_memory_mb`,
-            `max_interpreter_output_chars`; for `"remote"`, `sandbox_url` and `sandbox_max_concurrency`.
+            `max_interpreter_output_chars`, `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url` and `sandbox_max_concurrency`.
     """
     if args.sandbox_backend == "remote":
         return build_sandbox(
@@ -27,6 +27,7 @@ def sandbox_from_config(args) -> Sandbox:
         num_workers=args.sandbox_workers,
         timeout_s=args.sandbox_timeout_s,
         memory_mb=args.sandbox_memory_mb,
+        allow_root_without_isolation=getattr(args, "sandbox_allow_root_without_isolation", False),
         # The rollout truncates to `max_interpreter_output_chars` on the side the config asks for; keep more here.
         max_output_chars=max(4 * args.max_interpreter_output_chars, 4096),
     )

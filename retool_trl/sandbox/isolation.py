@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import stat
 import subprocess
@@ -91,7 +90,7 @@ def _hidden_roots(paths: list[Path], replaced: tuple[str, ...]) -> list[Path]:
     return sorted(roots)
 
 
-def bwrap_command(bwrap: str, worker: str, network: bool, tmpfs_mb: int) -> list[str]:
+def bwrap_command(bwrap: str, worker: str, network: bool, tmpfs_mb: int, writable: tuple[str, ...] = ()) -> list[str]:
     """bubblewrap around the zygote: fresh pid/ipc/uts/net namespaces, read-only host, private /tmp, /dev and /proc.
 
     No user namespace: as root, the zygote keeps the right to give each session its own uid. Directories a session
@@ -121,7 +120,9 @@ def bwrap_command(bwrap: str, worker: str, network: bool, tmpfs_mb: int) -> list
             for directory in between:
                 args += ["--perms", "0755", "--dir", str(directory)]
             args += ["--ro-bind", str(path), str(path)]
-    args += ["--new-session", "--chdir", "/"]
+    for path in writable:  # the sandbox's own cgroups: the zygote makes one per session below them
+        args += ["--bind", path, path]
+    args += ["--new-session", "--die-with-parent", "--chdir", "/"]
     return args
 
 
@@ -146,19 +147,45 @@ def can_drop_privileges(worker: str) -> bool:
     return os.geteuid() == 0 and not _hidden_roots(_needed_paths(worker), ())
 
 
-class UidAllocator:
-    """Hands out a fresh uid per session from a random high range, so concurrent sandboxes (other tests, other
-    trainers on the machine) do not share uids, and with them RLIMIT_NPROC counts and kill(-1) reach."""
+# Denied inside a session (EPERM; clone3 ENOSYS so that libc falls back to clone, whose flags a filter can see).
+_DENIED_SYSCALLS = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsmount",
+    "fsconfig", "fspick", "mount_setattr", "ptrace", "process_vm_readv", "process_vm_writev", "kexec_load",
+    "kexec_file_load", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "init_module",
+    "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog", "open_by_handle_at",
+    "name_to_handle_at", "io_uring_setup", "io_uring_enter", "io_uring_register", "quotactl", "lookup_dcookie",
+)
+_CLONE_NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 
-    _SPAN = 1 << 20
 
-    def __init__(self):
-        self._base = random.randrange(1 << 24, (1 << 31) - 2 * self._SPAN)
-        self._next = 0
-        self._lock = threading.Lock()
+@lru_cache(maxsize=1)
+def seccomp_program() -> tuple[bytes | None, str | None]:
+    """The sessions' seccomp filter as classic BPF (built here with libseccomp through `pyseccomp`), or why not.
 
-    def allocate(self) -> int:
-        with self._lock:
-            uid = self._base + self._next % self._SPAN
-            self._next += 1
-            return uid
+    Denies new namespaces (user namespaces above all), mounts, ptrace, kexec, keyrings, bpf, perf, module loading and
+    io_uring (whose operations seccomp cannot see); everything else is allowed."""
+    try:
+        import pyseccomp as seccomp
+    except Exception as exc:  # noqa: BLE001 - not installed, or libseccomp missing
+        return None, f"pyseccomp/libseccomp unavailable ({exc})"
+    import errno
+    import tempfile
+
+    try:
+        rules = seccomp.SyscallFilter(seccomp.ALLOW)
+        for name in _DENIED_SYSCALLS:
+            try:
+                rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
+            except Exception:  # noqa: BLE001, S112 - a syscall this architecture or libseccomp does not know
+                continue
+        for bit in range(32):  # one rule per namespace flag: any of them set is refused
+            if _CLONE_NAMESPACE_FLAGS >> bit & 1:
+                flag = seccomp.Arg(0, seccomp.MASKED_EQ, 1 << bit, 1 << bit)
+                rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", flag)
+        rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+        with tempfile.TemporaryFile() as f:
+            rules.export_bpf(f)
+            f.seek(0)
+            return f.read(), None
+    except Exception as exc:  # noqa: BLE001
+        return None, f"could not build the seccomp filter: {exc}"

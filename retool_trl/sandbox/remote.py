@@ -304,7 +304,8 @@ class RemoteSandbox:
 
     def _result(self, session: RemoteSession, code: str, response: dict, duration: float) -> ExecResult:
         run = response.get("run_result") or {}
-        stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
+        # JSON may carry lone surrogates ("\udcff" for a raw byte): the model only ever sees valid UTF-8 text.
+        stdout, stderr = (str(run.get(key) or "").encode("utf-8", "replace").decode() for key in ("stdout", "stderr"))
         status, return_code = run.get("status"), run.get("return_code")
         if status == "TimeLimitExceeded":
             session._broken = "timeout"

@@ -1,0 +1,296 @@
+"""The isolation contract of DESIGN.md §5, one test per red-team finding of issue 14.
+
+Each test runs hostile code; the module moves this test process into a memory- and pids-bounded cgroup where the
+machine lets it (cgroup v1 or v2, as root), so that a regression cannot take the machine down.
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from retool_trl.sandbox import LocalSandbox
+from retool_trl.sandbox.local import _WORKER, UnsafeSandboxError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _own_cgroup_dirs():
+    """Writable cgroup directories (v1 memory/pids or v2) of this process, as {controller: path}."""
+    found = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in ("memory", "pids"):
+            if controller in controllers.split(","):
+                base = Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+                if os.access(base, os.W_OK):
+                    found[controller] = base
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_test_process():
+    """Runs this module inside cgroups of its own: 6 GB of memory and 2048 tasks at most."""
+    made = []
+    if os.geteuid() == 0:
+        for controller, parent in _own_cgroup_dirs().items():
+            path = parent / f"retool-test-jail-{os.getpid()}"
+            try:
+                path.mkdir()
+                limit = {"memory": ("memory.limit_in_bytes", str(6 << 30)), "pids": ("pids.max", "2048")}[controller]
+                (path / limit[0]).write_text(limit[1])
+                (path / "cgroup.procs").write_text(str(os.getpid()))
+                made.append((parent, path))
+            except OSError:
+                continue
+    yield
+    for parent, path in made:
+        (parent / "cgroup.procs").write_text(str(os.getpid()))
+        for _ in range(100):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with LocalSandbox(num_workers=2, timeout_s=2.0, memory_mb=512, max_processes=32, max_output_chars=1000,
+                      scratch_mb=16, max_files=2000, preload=()) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def report(sandbox):
+    return sandbox.isolation_report()
+
+
+def _require(report, key):
+    if not report.get(key, True):  # a sandbox that does not report the key promises it: the test then decides
+        pytest.skip(f"needs {key}; missing here: {report['missing']}")
+
+
+def _last_line(result):
+    return result.output.rstrip("\n").splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------- finding 1: forged replies
+
+FORGE = """
+import json, os, struct, sys
+ids = [f.f_locals[k].get("id") for f in [sys._getframe(i) for i in range(1, 6) if sys._getframe(i)]
+       for k in ("request", "reply") if isinstance(f.f_locals.get(k), dict)]
+for body in [{"id": i, "ok": True, "head": "x" * 20000, "tail": "x" * 20000, "total": 20000, "error": None,
+              "fatal": None} for i in ids + [0, 1]] + [{"ok": True, "error": None, "fatal": None, "skipped": 0}]:
+    data = json.dumps(body).encode()
+    for fd in range(256):
+        try:
+            os.write(fd, struct.pack("!I", len(data)) + data)
+        except OSError:
+            pass
+"""
+
+
+@pytest.mark.parametrize("then", ["import time\ntime.sleep(30)", "while True:\n    pass"])
+def test_a_forged_reply_neither_ends_the_call_nor_passes_the_limits(sandbox, then):
+    s = sandbox.session()
+    r = s.run(FORGE + then)
+    assert not r.ok and r.timed_out, r.output[-300:]
+    assert len(r.output) <= sandbox.max_output_chars
+    s.close()
+
+
+def test_a_forged_reply_does_not_outlive_the_session(sandbox):
+    s = sandbox.session()
+    assert s.run("print('hi')").ok
+    pid = s._proc.host_pid
+    r = s.run(FORGE + "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()")
+    s.close()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the session process outlived close(): {r}"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- finding 2 and 8: deaths and reaping
+
+
+def test_concurrent_deaths_beside_sleepers_settle_every_cell(sandbox):
+    for _ in range(3):
+        crashers = [sandbox.session() for _ in range(4)]
+        sleepers = [sandbox.session() for _ in range(8)]
+        results = sandbox.run_many([(s, "import os\nos._exit(1)") for s in crashers]
+                                   + [(s, "import time\ntime.sleep(1)\nprint('slept')") for s in sleepers])
+        for r in results[:4]:
+            assert not r.ok and not r.infra_error and not r.timed_out, r
+            assert "exited with code 1" in _last_line(r)
+        for r in results[4:]:
+            assert r.ok and r.output == "slept\n", r
+        for s in crashers + sleepers:
+            s.close()
+
+
+def test_a_segfault_names_its_signal(sandbox):
+    r = sandbox.session().run("import ctypes\nctypes.string_at(0)")
+    assert not r.ok and not r.infra_error and "SIGSEGV" in _last_line(r)
+
+
+def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
+    s = sandbox.session()
+    assert s.run("x = 1").ok
+    pid = s._proc.host_pid
+    box = []
+    runner = threading.Thread(target=lambda: box.append(s.run("import time\ntime.sleep(30)")))
+    runner.start()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)  # what the OOM killer of the machine does
+    runner.join(20)
+    (r,) = box
+    assert not r.ok and r.infra_error and not r.timed_out, r
+
+
+def _sandbox_processes():
+    found = {p.pid for p in psutil.process_iter(["cmdline"]) if _WORKER in " ".join(p.info["cmdline"] or ())}
+    return {pid for pid in found if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+
+
+def test_nothing_of_the_sandbox_survives_close():
+    before = _sandbox_processes()  # the module's sandbox
+    with LocalSandbox(num_workers=2, timeout_s=1.0, preload=()) as sb:
+        sessions = [sb.session() for _ in range(6)]
+        sb.run_many([(s, "import os\nos._exit(1)") for s in sessions[:3]]
+                    + [(s, "import subprocess\nsubprocess.Popen(['sleep', '100'])") for s in sessions[3:]])
+    deadline = time.monotonic() + 10
+    while (left := _sandbox_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left
+
+
+# ------------------------------------------------------------------------------ finding 3: one jail per session
+
+
+def test_tmp_is_private_bounded_and_gone_after_close(sandbox, report):
+    _require(report, "jail_per_session")
+    a, b = sandbox.session(), sandbox.session()
+    fill = a.run("open('/tmp/secret', 'w').write('a')\nblock = b'x' * (1 << 20)\nn = 0\ntry:\n"
+                 "    with open('/tmp/fill', 'wb') as f:\n        while n < 64:\n            f.write(block)\n"
+                 "            f.flush()\n            n += 1\nexcept OSError as e:\n    print('full', e.errno)")
+    assert "full 28" in fill.output, fill  # ENOSPC at scratch_mb=16 in A's own /tmp
+    assert b.run("import os\nprint(os.path.exists('/tmp/secret'))").output == "False\n"
+    assert b.run("open('/tmp/mine', 'w').write('b' * 100000)").ok  # A's full /tmp is not B's
+    a.close()
+    c = sandbox.session()
+    assert c.run("import os\nprint(sorted(os.listdir('/tmp')))").output == "['retool-sandbox']\n"
+
+
+def test_network_and_abstract_sockets_are_private(sandbox, report):
+    _require(report, "jail_per_session")
+    a, b = sandbox.session(), sandbox.session()
+    listen = ("import socket\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 0))\nsrv.listen()\n"
+              "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0retool-jail-test')\nu.listen()\n"
+              "print(srv.getsockname()[1])")
+    port = int(a.run(listen).output)
+    assert a.run(f"socket.create_connection(('127.0.0.1', {port}), 1).close()").ok  # it does listen
+    probe = b.run(f"import socket\nfor addr in [('127.0.0.1', {port})]:\n    try:\n"
+                  "        socket.create_connection(addr, 1)\n        print('tcp reached')\n"
+                  "    except OSError:\n        print('tcp refused')\nu = socket.socket(socket.AF_UNIX)\ntry:\n"
+                  "    u.connect('\\0retool-jail-test')\n    print('unix reached')\nexcept OSError:\n"
+                  "    print('unix refused')")
+    assert probe.output == "tcp refused\nunix refused\n", probe
+
+
+SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+shmid = libc.shmget(0x5EED, {size}, {flags})
+print(shmid >= 0)
+"""
+
+
+def test_ipc_objects_are_private_and_die_with_the_session(sandbox, report):
+    _require(report, "jail_per_session")
+    a, b = sandbox.session(), sandbox.session()
+    assert a.run(SHM.format(size=1 << 20, flags=0o1000 | 0o666)).output == "True\n"  # IPC_CREAT
+    assert a.run(SHM.format(size=0, flags=0)).output == "True\n"
+    assert b.run(SHM.format(size=0, flags=0)).output == "False\n"
+    a.close()
+    assert sandbox.session().run(SHM.format(size=0, flags=0)).output == "False\n"
+
+
+def test_own_process_tree(sandbox, report):
+    _require(report, "jail_per_session")
+    s = sandbox.session()
+    r = s.run("import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    assert r.output == "1 [1]\n", r
+
+
+# ------------------------------------------------------------------------- finding 4: one memory bound in all
+
+
+def test_memory_is_bounded_for_the_whole_session(report):
+    _require(report, "memory_cgroup")
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = bytearray(150 << 20)\n        for i in range(0, len(block), 4096):\n"
+            "            block[i] = 1\n        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
+            "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids), 'held')")
+    with LocalSandbox(num_workers=1, timeout_s=20.0, memory_mb=256, preload=()) as sb:
+        r = sb.session().run(code)
+    assert not (r.ok and r.output == "4 held\n"), r  # 600 MB at once cannot fit in one 256 MB session
+    assert not r.infra_error
+
+
+# ---------------------------------------------------------------------- finding 5: no privilege inside
+
+
+@pytest.mark.parametrize("code", [
+    "import ctypes\nprint(ctypes.CDLL(None, use_errno=True).unshare(0x10000000), ctypes.get_errno())",
+    "import subprocess\nprint(subprocess.run(['unshare', '-r', '-m', 'true']).returncode != 0)",
+])
+def test_no_user_namespaces_inside(sandbox, report, code):
+    _require(report, "seccomp")
+    r = sandbox.session().run(code)
+    assert _last_line(r) in ("-1 1", "True"), r
+
+
+# ------------------------------------------------------------------------- finding 6: a million files
+
+
+def test_many_files_are_bounded_and_do_not_stall_others(sandbox, report):
+    _require(report, "jail_per_session")
+    s, other = sandbox.session(), sandbox.session()
+    r = s.run("import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n"
+              "        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
+    count, err = map(int, r.output.split())
+    assert count < 2000 and err == 28, r  # max_files inodes in its /tmp
+    s.close()
+    assert other.run("print('fine')").output == "fine\n"
+
+
+# ------------------------------------------------------------------------- finding 7: no unsafe defaults
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is for root")
+def test_root_without_isolation_is_refused_unless_asked_for():
+    sb = LocalSandbox(isolation="none", preload=())
+    with pytest.raises(UnsafeSandboxError, match="allow_root_without_isolation"):
+        sb.session().run("print(1)")
+    sb.close()
+    with LocalSandbox(isolation="none", preload=(), allow_root_without_isolation=True) as sb:
+        assert sb.session().run("print(1)").output == "1\n"
+        assert "read-only host file system (bubblewrap)" in sb.isolation_report()["missing"]
+
+
+# ----------------------------------------------------------------------- output is always valid text
+
+
+def test_output_is_valid_text_whatever_is_printed(sandbox):
+    r = sandbox.session().run("import sys, os\nprint(chr(0xD800))\nsys.stdout.buffer.write(b'\\xff\\n')\n"
+                              "os.write(1, b'\\xfe\\n')")
+    r.output.encode("utf-8")  # strict: no lone surrogates
+    assert r.ok and r.output.count("\ufffd") + r.output.count("?") >= 3, r
