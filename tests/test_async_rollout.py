@@ -261,3 +261,23 @@ def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
     assert (~tool_mask & real).any()
     assert torch.allclose(inputs["sampling_per_token_logps"][tool_mask & real], -ids[tool_mask & real].float() / 1000)
     assert torch.all(inputs["importance_sampling_ratio"][~tool_mask & real] == 1.0)
+
+
+def test_local_sandbox_serves_many_threads_at_once():
+    """The async rollout runs each completion's cells from its own thread: sessions must not mix up."""
+    import concurrent.futures
+
+    with LocalSandbox(num_workers=2, timeout_s=5.0) as sandbox:
+
+        def three_cells(i):
+            session = sandbox.session()
+            try:
+                return [sandbox.run_many([(session, f"x = {i} * 10 + {k}\nimport time; time.sleep(0.01 * ({i} % 3))"
+                                                    "\nprint(x)")])[0] for k in range(3)]
+            finally:
+                session.close()
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(three_cells, range(32)))
+    for i, cells in enumerate(results):
+        assert [(r.ok, r.infra_error, r.output.strip()) for r in cells] == [(True, False, str(i * 10 + k)) for k in range(3)]
