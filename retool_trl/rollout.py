@@ -96,6 +96,8 @@ class RolloutResult:
     infra_failed: list[bool] = field(default_factory=list)
     # Finished turns with neither a complete code block nor a \boxed{} answer (SimpleTIR's "void" turns).
     num_void_turns: list[int] = field(default_factory=list)
+    # Engine calls (batched generate requests) of the rollout each completion came from: the same for all its rows.
+    engine_calls: list[int] = field(default_factory=list)
 
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
@@ -158,6 +160,7 @@ def interleaved_rollout(
     eos = set(spec.eos_token_ids)
     exec_seconds: list[float] = []
     have_logprobs = True
+    turn_calls = 0
     try:
         active = list(range(len(rows)))
         # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
@@ -168,7 +171,9 @@ def interleaved_rollout(
                 [spec.max_completion_length - len(rows[i].completion_ids) for i in active],
                 [rows[i].calls < spec.max_tool_calls for i in active],
             )
-            texts = tokenizer.batch_decode([out.token_ids for out in outputs], skip_special_tokens=False)
+            turn_calls += 1
+            # Guarded: some tokenizers decode an empty batch to [''] (a process left with no active row).
+            texts = tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=False) if outputs else []
             pending: list[tuple[int, str]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
                 row = rows[i]
@@ -216,6 +221,8 @@ def interleaved_rollout(
         num_turns=[r.turns for r in rows],
         infra_failed=[r.infra_failed for r in rows],
         num_void_turns=[r.void_turns for r in rows],
+        # Backends that split a turn into several requests (vLLM, per stop setting) count their own calls.
+        engine_calls=[getattr(backend, "engine_calls", turn_calls)] * len(rows),
     )
 
 

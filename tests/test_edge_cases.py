@@ -6,7 +6,7 @@ from datasets import Dataset
 from transformers import GenerationConfig
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from retool_trl.generation import TransformersBackend, VLLMBackend
+from retool_trl.generation import TransformersBackend
 from retool_trl.inference import eos_token_ids_of
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import RolloutSpec, TurnOutput, interleaved_rollout
@@ -16,10 +16,11 @@ from retool_trl.testing import (
     FakeVLLMGeneration,
     ScriptedBackend,
     make_char_tokenizer,
-    record_rewards,
     make_tiny_qwen2,
+    record_rewards,
     save_tiny_model,
 )
+from retool_trl.vllm_backend import VLLMBackend
 
 TOKENIZER = make_char_tokenizer()
 
