@@ -170,4 +170,18 @@ def _sync_weights_by_reload(helper) -> None:
     # inside `reload_weights`, while TRL's iterator still holds merged PEFT adapters / gathered shards.
     model_runner = helper.llm.llm_engine.model_executor.driver_worker.model_runner
     model_runner.reload_weights(weights_iterator=helper._iter_named_params())
+    _refresh_tied_lm_head(model_runner.get_model())
     helper.llm.reset_prefix_cache()
+
+
+def _refresh_tied_lm_head(model) -> None:
+    # With tied embeddings the LM head receives no weight of its own during a reload, so vLLM keeps the kernel
+    # tensors it packed from the old embedding. Tie it to the new embedding again and let it repack.
+    lm_head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
+    if lm_head is None or not getattr(config, "tie_word_embeddings", False) or not hasattr(lm_head, "quant_method"):
+        return
+    embed = next((m for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
+    if embed is None:
+        return
+    lm_head.weight = embed.weight
+    lm_head.quant_method.process_weights_after_loading(lm_head)
