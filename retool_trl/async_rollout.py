@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from .parsing import first_stop
 from .rollout import RolloutResult, RolloutSpec, _Row, interpreter_blocks, rollout_result, run_cells
 from .types import TurnOutput
 
@@ -112,8 +113,6 @@ class CompletionsEngine:
         return {}
 
     async def generate(self, token_ids: list[int], max_tokens: int, stop_at_code_end: bool) -> TurnOutput:
-        from .generation import first_stop
-
         payload = {
             "model": self.model,
             "prompt": token_ids,
@@ -173,17 +172,21 @@ def async_rollout(
     """
     rows = [_Row(list(ids)) for ids in prompt_ids]
     exec_seconds: list[float] = []
-    have_logprobs = [True]
+    have_logprobs, engine_calls = [True], [0]
     try:
-        _run_coroutine(_run_all(rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs))
+        _run_coroutine(
+            _run_all(rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls)
+        )
     finally:
         for row in rows:
             if row.session is not None:
                 row.session.close()
-    return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs[0])
+    return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs[0], engine_calls[0])
 
 
-async def _run_all(rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs) -> None:
+async def _run_all(
+    rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls
+) -> None:
     eos = set(spec.eos_token_ids)
     limit = asyncio.Semaphore(max_concurrency)
     # Snippets run in threads (the sandbox API is blocking); one thread per completion in flight at most.
@@ -194,6 +197,7 @@ async def _run_all(rows, engine, sandbox, tokenizer, spec, max_concurrency, exec
         async with limit:
             while not row.done:
                 budget = spec.max_completion_length - len(row.completion_ids)
+                engine_calls[0] += 1  # one request per turn of each completion
                 try:
                     out = await engine.generate(row.prompt_ids + row.completion_ids, budget, row.calls < spec.max_tool_calls)
                 except EngineError:

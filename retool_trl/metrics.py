@@ -48,6 +48,9 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
     exec_s = result.exec_seconds
     latency = torch.tensor([[sum(exec_s), max(exec_s, default=0.0), len(exec_s)]], dtype=torch.float64)
     latency_sum, latency_max, num_exec = gather(latency).cpu().reshape(-1, 3).T
+    # One entry per process: the engine calls of its rollout (every row of a rollout carries the same count).
+    calls_per_rollout = sum(result.engine_calls) / len(result.engine_calls) if result.engine_calls else 0.0
+    engine_calls = gather(torch.tensor([calls_per_rollout], dtype=torch.float64)).cpu()
     calls, errors, timeouts, infra, lines, interp_tokens, tokens, turns, void, failed = rows.sum(dim=0).tolist()
     n = max(len(rows), 1)
     metrics = {
@@ -61,6 +64,7 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
         "retool/code_lines_per_call": lines / calls if calls else 0.0,
         "retool/void_turn_ratio": void / n,
         "retool/infra_failed_ratio": failed / n,
+        "retool/engine_calls_per_rollout": engine_calls.mean().item(),
     }
     if num_exec.sum() > 0:
         metrics["retool/sandbox_latency_ms_mean"] = (latency_sum.sum() / num_exec.sum()).item() * 1000

@@ -6,6 +6,7 @@ Everything here works on strings; token-level work (the interpreter mask) lives 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from .prompts import Tags, add_system_message
 
@@ -116,3 +117,20 @@ def with_system_prompt(prompts: list, system_prompt: str | None) -> list:
     if not system_prompt or not prompts or not isinstance(prompts[0], list):
         return prompts
     return [add_system_message(p, system_prompt) for p in prompts]
+
+
+def first_stop(token_ids: Sequence[int], tokenizer, stop_string: str) -> int | None:
+    """Length of the shortest prefix of `token_ids` whose text contains `stop_string`, or `None`.
+
+    Binary search over prefixes (containment only grows with the prefix), so a long turn costs O(log n) decodes.
+    """
+    if stop_string not in tokenizer.decode(token_ids):
+        return None
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stop_string in tokenizer.decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

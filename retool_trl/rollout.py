@@ -76,6 +76,8 @@ class RolloutResult:
     infra_failed: list[bool] = field(default_factory=list)
     # Finished turns with neither a complete code block nor a \boxed{} answer (SimpleTIR's "void" turns).
     num_void_turns: list[int] = field(default_factory=list)
+    # Engine calls (batched generate requests) of the rollout each completion came from: the same for all its rows.
+    engine_calls: list[int] = field(default_factory=list)
 
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
@@ -165,6 +167,7 @@ def interleaved_rollout(
     eos = set(spec.eos_token_ids)
     exec_seconds: list[float] = []
     have_logprobs = True
+    turn_calls = 0
     try:
         active = list(range(len(rows)))
         # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
@@ -175,6 +178,7 @@ def interleaved_rollout(
                 [spec.max_completion_length - len(rows[i].completion_ids) for i in active],
                 [rows[i].calls < spec.max_tool_calls for i in active],
             )
+            turn_calls += 1
             texts = _decode(tokenizer, [out.token_ids for out in outputs])
             pending: list[tuple[_Row, str]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
@@ -196,10 +200,14 @@ def interleaved_rollout(
             if row.session is not None:
                 row.session.close()
 
-    return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs)
+    # Backends that split a turn into several requests (vLLM, per stop setting) count their own calls.
+    engine_calls = getattr(backend, "engine_calls", turn_calls)
+    return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs, engine_calls)
 
 
-def rollout_result(rows, tokenizer, spec: RolloutSpec, exec_seconds: list[float], have_logprobs: bool) -> RolloutResult:
+def rollout_result(
+    rows, tokenizer, spec: RolloutSpec, exec_seconds: list[float], have_logprobs: bool, engine_calls: int
+) -> RolloutResult:
     """The finished rows as a `RolloutResult` (shared by the barrier and the async rollout)."""
     for row in rows:  # TRL reads the last token of every completion: never hand it an empty one
         if not row.completion_ids:
@@ -223,6 +231,7 @@ def rollout_result(rows, tokenizer, spec: RolloutSpec, exec_seconds: list[float]
         num_turns=[r.turns for r in rows],
         infra_failed=[r.infra_failed for r in rows],
         num_void_turns=[r.void_turns for r in rows],
+        engine_calls=[engine_calls] * len(rows),
     )
 
 

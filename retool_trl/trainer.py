@@ -19,13 +19,14 @@ from trl.models import unwrap_model_for_generation
 
 from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
 from .config import ReToolConfig
-from .generation import TransformersBackend, VLLMBackend
+from .generation import TransformersBackend
 from .metrics import rollout_metrics
 from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .sandbox.factory import sandbox_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
+from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
 
 
 class ReToolTrainer(GRPOTrainer):
@@ -60,6 +61,8 @@ class ReToolTrainer(GRPOTrainer):
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
+        if self.use_vllm:  # vLLM's CPU build needs its own reload API for the weight sync; elsewhere TRL's stays
+            use_reload_weights_on_cpu(self.vllm_generation)
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
         self._rollout_inputs: list[dict] = []

@@ -11,6 +11,13 @@ for exactly the same number of tokens and the number of code calls is known.
 Plus a step benchmark: `ReToolTrainer` vs `GRPOTrainer` training steps on the same no-code completions.
 
     python scripts/bench_rollout.py [--batch 32] [--repeats 3] [--json]
+
+With `--backend vllm` (in `.venv-engines/`, see `scripts/test_engines.sh`): the shipped quickstart model through a
+real colocated vLLM engine (CPU build), greedy. The interleaved rollout runs first; then plain vLLM generate makes
+exactly as many tokens per row (`min_tokens = max_tokens`, EOS ignored) in one call. Prints the per-token ratio
+`vllm_rollout_vs_generate` and where the rollout's extra time goes (engine calls, sandbox, everything else).
+
+    .venv-engines/bin/python scripts/bench_rollout.py --backend vllm [--batch 32] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -139,7 +146,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="training steps per trainer in the step benchmark")
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
+                        help="vllm: the rollout through a real vLLM engine against vLLM's plain generate")
     args = parser.parse_args()
+    if args.backend == "vllm":
+        from bench_vllm_rollout import bench_vllm
+
+        return bench_vllm(args)
     torch.set_num_threads(1)  # the sandbox workers get the other core
 
     tokenizer = build_char_tokenizer(model_max_length=1024)

@@ -6,7 +6,7 @@ from datasets import Dataset
 from transformers import GenerationConfig
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from retool_trl.generation import TransformersBackend, VLLMBackend
+from retool_trl.generation import TransformersBackend
 from retool_trl.inference import eos_token_ids_of
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
@@ -21,6 +21,7 @@ from testing_utils import (
     record_rewards,
     save_tiny_model,
 )
+from retool_trl.vllm_backend import VLLMBackend
 
 TOKENIZER = make_char_tokenizer()
 

@@ -7,7 +7,6 @@ import torch
 from datasets import Dataset
 
 from retool_trl import ReToolConfig
-from retool_trl.generation import VLLMBackend, first_stop
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from testing_utils import (
     FakeSandbox,
@@ -16,6 +15,7 @@ from testing_utils import (
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
+from retool_trl.vllm_backend import VLLMBackend, first_stop
 
 SCRIPTS = [
     "A<code>x = 5\nprint(x * 2)</code>B<code>print(x)</code>C \\boxed{5}",
@@ -106,3 +106,38 @@ def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
     # ...and interpreter tokens never enter the importance-sampling correction (ratio exactly 1).
     ratio = inputs["importance_sampling_ratio"]
     assert ratio.shape == ids.shape and torch.all(ratio[~tool_mask & real] == 1.0)
+
+
+def test_stop_is_per_row_so_rows_without_calls_left_cost_no_extra_engine_call():
+    from retool_trl.metrics import rollout_metrics
+
+    tokenizer = make_char_tokenizer()
+    scripts = ["<code>print(1)</code>a<code>print(2)</code>b<code>print(3)</code>c \\boxed{3}", "<code>print(4)</code>d"]
+    fake = FakeVLLMGeneration(tokenizer, scripts)
+    backend = VLLMBackend(fake, tokenizer, "</code>")
+    prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"] for _ in scripts]
+    spec = RolloutSpec(max_completion_length=300, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=1)
+    result = interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec)
+    assert_rollout_invariants(result, tokenizer, scripts, 300)
+    assert result.num_tool_calls == [1, 1]
+    # Turn 2: neither row may call code any more, so neither stops at the two `</code>` left in the first script:
+    # one call runs both to the end (stopping every row made one call per remaining `</code>`: 4 calls in all).
+    assert [(r["n"], r["stop"]) for r in fake.requests] == [(2, ["</code>"]), (2, [])]
+    assert result.engine_calls == [2, 2]
+    assert rollout_metrics(result, lambda t: t)["retool/engine_calls_per_rollout"] == 2.0
+
+
+
+def test_rows_with_and_without_calls_left_go_to_separate_requests():
+    tokenizer = make_char_tokenizer()
+    # Row 1 first writes a stray `</code>` (no open block: no call), so in turn 2 only row 1 may still call code.
+    scripts = ["<code>print(1)</code>a<code>print(2)</code>b", "x</code>y<code>print(4)</code>z<code>print(5)</code>w"]
+    fake = FakeVLLMGeneration(tokenizer, scripts)
+    prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"] for _ in scripts]
+    spec = RolloutSpec(max_completion_length=300, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=1)
+    result = interleaved_rollout(prompts, VLLMBackend(fake, tokenizer, "</code>"), FakeSandbox(), tokenizer, spec)
+    assert_rollout_invariants(result, tokenizer, scripts, 300)
+    assert result.num_tool_calls == [1, 1]
+    stop, free = ["</code>"], []
+    assert [(r["n"], r["stop"]) for r in fake.requests] == [(2, stop), (1, stop), (1, free), (1, free)]
+    assert result.engine_calls == [4, 4]

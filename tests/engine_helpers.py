@@ -1,0 +1,91 @@
+"""Shared pieces of the engine tests (real vLLM engine, several processes): configs, prompts, a server launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from transformers import AutoTokenizer, GenerationConfig
+
+from retool_trl import ReToolConfig
+from retool_trl.data.synthetic import make_arithmetic_dataset
+from retool_trl.quickstart import model_path
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LEN = 64
+
+
+def quickstart_tokenizer():
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+def quickstart_dataset(n: int = 16, seed: int = 0):
+    return make_arithmetic_dataset(n, seed=seed)
+
+
+def engine_config(output_dir, **overrides) -> ReToolConfig:
+    """The quickstart's settings, small: a few problems, short completions, one sandbox worker, float32 on CPU."""
+    settings = dict(
+        output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=MAX_LEN, max_tool_calls=2, max_interpreter_output_chars=64, system_prompt="none",
+        sandbox_workers=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        vllm_max_model_length=512, seed=0, disable_tqdm=True,
+    )
+    return ReToolConfig(**{**settings, **overrides})
+
+
+def greedy_generation_config(tokenizer) -> GenerationConfig:
+    return GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """TRL's vLLM server (`scripts/vllm_serve.py`) on 127.0.0.1, started and stopped by the caller (a fixture)."""
+
+    def __init__(self, model: str, port: int | None = None, startup_timeout_s: float = 300.0):
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
+        command = [
+            sys.executable, str(REPO / "scripts" / "vllm_serve.py"), "--model", model, "--host", "127.0.0.1",
+            "--port", str(self.port), "--dtype", "float32", "--enforce_eager", "--max_model_len", "512",
+        ]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # Own process group: stop() ends the server and the engine core it spawns, nothing else.
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait(timeout=30)
+        self._log.close()

@@ -1,0 +1,193 @@
+"""ReTool on a real vLLM engine (vLLM's CPU build), colocate and server mode, with the shipped quickstart model.
+
+Run by `bash scripts/test_engines.sh` in `.venv-engines/`; skipped where vLLM is not installed (the fast suite).
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+import torch  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    VLLMServer,
+    engine_config,
+    greedy_generation_config,
+    quickstart_dataset,
+    quickstart_tokenizer,
+)
+from trl.generation.vllm_client import VLLMClient  # noqa: E402
+
+from retool_trl import ReToolTrainer  # noqa: E402
+from retool_trl.generation import TransformersBackend  # noqa: E402
+from retool_trl.quickstart import model_path  # noqa: E402
+from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.sandbox import LocalSandbox  # noqa: E402
+from retool_trl.vllm_backend import VLLMBackend  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return quickstart_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with LocalSandbox(num_workers=1, timeout_s=10.0) as box:
+        yield box
+
+
+@pytest.fixture(scope="module")
+def colocate_trainer(tmp_path_factory, tokenizer, sandbox):
+    """One colocated engine for the module (vLLM runs one engine per process in colocate mode)."""
+    args = engine_config(tmp_path_factory.mktemp("colocate"), use_vllm=True, vllm_mode="colocate",
+                         learning_rate=1e-3, beta=0.0)
+    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16),
+                            processing_class=tokenizer, sandbox=sandbox)
+    return trainer
+
+
+def prompt_ids_of(tokenizer, n=16, seed=1):
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in quickstart_dataset(n, seed=seed)["prompt"]]
+
+
+def greedy_transformers_rollout(model, tokenizer, sandbox, prompts, spec):
+    backend = TransformersBackend(model, tokenizer, greedy_generation_config(tokenizer), "</code>",
+                                  [tokenizer.eos_token_id])
+    return interleaved_rollout(prompts, backend, sandbox, tokenizer, spec)
+
+
+def greedy_vllm_rollout(helper, tokenizer, sandbox, prompts, spec):
+    saved, helper.temperature = helper.temperature, 0.0
+    try:
+        return interleaved_rollout(prompts, VLLMBackend(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
+    finally:
+        helper.temperature = saved
+
+
+def vllm_prompt_logprobs(llm, ids):
+    """Log-prob of each token of `ids` given the ones before, as the engine's model computes it."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    out = llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[k][ids[k]].logprob for k in range(1, len(ids))])
+
+
+def policy_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_colocate_greedy_rollout_equals_transformers(colocate_trainer, tokenizer, sandbox):
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    prompts = prompt_ids_of(tokenizer)
+    ours = greedy_vllm_rollout(colocate_trainer.vllm_generation, tokenizer, sandbox, prompts, spec)
+    reference = greedy_transformers_rollout(colocate_trainer.model, tokenizer, sandbox, prompts, spec)
+    assert sum(ours.num_tool_calls) > 0, "the workload must call code"
+    assert ours.completion_ids == reference.completion_ids
+    assert ours.interpreter_mask == reference.interpreter_mask
+    assert ours.num_tool_calls == reference.num_tool_calls
+    # One engine call per turn: no row stops at a `</code>` it can no longer run.
+    assert ours.engine_calls[0] <= max(reference.num_turns) + 1
+
+
+def test_colocate_trainer_trains_through_vllm(colocate_trainer):
+    colocate_trainer.train()
+    logs = [h for h in colocate_trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["retool/engine_calls_per_rollout"] >= 1
+        assert torch.isfinite(torch.tensor(entry["loss"]))
+    # Step 2 sampled from the weights synced after step 1's update (learning rate 1e-3): vLLM's sampling log-probs
+    # still match the trainer's, up to the CPU kernels' rounding (the perturbation test below isolates the sync).
+    assert logs[1]["sampling/sampling_logp_difference/mean"] < 0.05
+    assert colocate_trainer.state.global_step == 2
+
+
+def test_colocate_weight_sync_reaches_the_engine(colocate_trainer, tokenizer):
+    helper, model = colocate_trainer.vllm_generation, colocate_trainer.model
+    ids = tokenizer("What is 12*34?\n<code>print(12*34)</code>", add_special_tokens=False)["input_ids"]
+
+    def gap(engine, policy):  # mean absolute log-prob difference over the sequence
+        return (engine - policy).abs().mean().item()
+
+    before = policy_logprobs(model, ids)
+    helper.sync_weights()  # training's last update has not reached the engine yet (TRL syncs before generating)
+    engine = vllm_prompt_logprobs(helper.llm, ids)
+    # vLLM's CPU kernels are not bit-identical to torch's; the gap is small next to the perturbation below.
+    assert gap(engine, before) < 0.05
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    after = policy_logprobs(model, ids)
+    assert gap(after, before) > 0.3  # the perturbation is visible
+    # Without a sync the engine still has the old weights...
+    engine = vllm_prompt_logprobs(helper.llm, ids)
+    assert gap(engine, before) < 0.05 and gap(engine, after) > 0.25
+    helper.sync_weights()  # what TRL's `_generate` calls at each new step (here: through vLLM's reload API)
+    # ...after it, the engine's log-probs follow the policy.
+    engine = vllm_prompt_logprobs(helper.llm, ids)
+    assert gap(engine, after) < 0.05 and gap(engine, before) > 0.25
+
+
+# ------------------------------------------------------------------------------------------------ server mode
+@pytest.fixture(scope="module")
+def server():
+    server = VLLMServer(model_path())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def no_nccl_communicator(monkeypatch):
+    # TRL's server-mode weight sync opens an NCCL group with the server at init; NCCL needs CUDA, so on CPU the
+    # rollout is tested without it (weights are the server's own, i.e. the initial checkpoint).
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=None: None)
+
+
+def test_server_mode_rollout_through_a_real_server(server, no_nccl_communicator, tokenizer, sandbox, tmp_path):
+    args = engine_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url)
+    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
+                            sandbox=sandbox)
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    prompts = prompt_ids_of(tokenizer)
+    ours = greedy_vllm_rollout(trainer.vllm_generation, tokenizer, sandbox, prompts, spec)
+    reference = greedy_transformers_rollout(trainer.model, tokenizer, sandbox, prompts, spec)
+    assert sum(ours.num_tool_calls) > 0
+    assert ours.completion_ids == reference.completion_ids
+    assert ours.interpreter_mask == reference.interpreter_mask
+    # TRL's own `_generate` path (what training runs): token ids, tool mask and log-probs line up.
+    trainer._last_loaded_step = trainer.state.global_step  # no weight sync: it needs NCCL (see fixture)
+    trainer.model.train()
+    _, completion_ids, tool_mask, _, logprobs, extra, *_ = trainer._generate(list(quickstart_dataset(8, seed=2)["prompt"]))
+    assert [len(m) for m in tool_mask] == [len(c) for c in completion_ids] == [len(lp) for lp in logprobs]
+    assert sum(extra["num_tool_calls"]) >= 0
+
+
+def test_server_mode_two_processes_with_different_turns(server, no_nccl_communicator, tokenizer, sandbox, tmp_path):
+    import json
+
+    from test_engine_multiproc import launch
+
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    texts = list(quickstart_dataset(4, seed=1)["prompt"])
+    # Rank 1's prompts already hold the interpreter's answer (a partly solved trace): one turn, no call. Rank 0's are
+    # plain problems, which the quickstart model answers with one call: two turns.
+    solved = [f"{t}<code>print({t[8:-2]})</code><interpreter>{eval(t[8:-2])}\n</interpreter>" for t in texts[2:]]
+    prompts = texts[:2] + solved
+    args = engine_config(tmp_path / "one", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url)
+    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
+                            sandbox=sandbox)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    single = greedy_vllm_rollout(trainer.vllm_generation, tokenizer, sandbox, ids, spec)
+    assert single.num_turns[:2] == [2, 2] and single.num_turns[2:] == [1, 1], single.num_turns
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "prompts.json").write_text(json.dumps([prompts[:2], prompts[2:]]))
+    ranks = launch("vllm_server", tmp_path / "two", 2, server.base_url)
+    for i, prompt in enumerate(prompts):
+        (text, mask), = ranks[i // 2]["completions"][prompt]
+        assert text == tokenizer.decode(single.completion_ids[i])
+        assert mask == single.interpreter_mask[i]
