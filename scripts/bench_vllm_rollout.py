@@ -149,5 +149,4 @@ def bench_vllm(args) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     raise SystemExit("run: python scripts/bench_rollout.py --backend vllm [--json]")

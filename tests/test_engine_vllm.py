@@ -191,3 +191,90 @@ def test_server_mode_two_processes_with_different_turns(server, no_nccl_communic
         (text, mask), = ranks[i // 2]["completions"][prompt]
         assert text == tokenizer.decode(single.completion_ids[i])
         assert mask == single.interpreter_mask[i]
+
+
+# ------------------------------------------------------------------------------------------- async rollout (server)
+@pytest.fixture(scope="module")
+def server_trainer(server, tokenizer, sandbox, tmp_path_factory):
+    from trl.generation import vllm_client
+
+    # As `no_nccl_communicator`, for the module (a module fixture cannot use the function-scoped monkeypatch).
+    original = vllm_client.VLLMClient.init_communicator
+    vllm_client.VLLMClient.init_communicator = lambda self, device=None: None
+    args = engine_config(tmp_path_factory.mktemp("server"), use_vllm=True, vllm_mode="server",
+                         vllm_server_base_url=server.base_url)
+    try:
+        yield ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
+                            sandbox=sandbox)
+    finally:
+        vllm_client.VLLMClient.init_communicator = original
+
+
+def greedy_engine(server, tokenizer, transport=None):
+    from retool_trl.async_rollout import CompletionsEngine
+
+    return CompletionsEngine(server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0}, transport=transport)
+
+
+@pytest.mark.parametrize("snippet_timeout", [False, True], ids=["ok", "snippet-timeout"])
+def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet_timeout):
+    from retool_trl.async_rollout import async_rollout
+
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    prompts = prompt_ids_of(tokenizer, n=12, seed=4)
+    # A snippet timeout ends as today: the snippet's error goes back to the model, the row goes on.
+    with LocalSandbox(num_workers=2, timeout_s=0.001 if snippet_timeout else 10.0) as box:
+        barrier = greedy_vllm_rollout(server_trainer.vllm_generation, tokenizer, box, prompts, spec)
+        ours = async_rollout(prompts, greedy_engine(server, tokenizer), box, tokenizer, spec, max_concurrency=8)
+    assert sum(barrier.num_tool_calls) > 0
+    assert (sum(barrier.num_tool_timeouts) > 0) == snippet_timeout
+    assert not any(ours.infra_failed)
+    assert ours.completion_ids == barrier.completion_ids
+    assert ours.interpreter_mask == barrier.interpreter_mask
+    assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
+    for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer):
+    import httpx
+
+    from retool_trl.async_rollout import async_rollout
+    from retool_trl.rewards import boxed_accuracy
+    from retool_trl.testing import FakeSandbox
+
+    class DropsAfter(httpx.AsyncHTTPTransport):
+        """Forwards the first `n` requests (after the model-name lookup), then the connection is gone for good."""
+
+        def __init__(self, n):
+            super().__init__()
+            self.left = n + 1
+
+        async def handle_async_request(self, request):
+            self.left -= 1
+            if self.left < 0:
+                raise httpx.ConnectError("connection dropped", request=request)
+            return await super().handle_async_request(request)
+
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    dataset = quickstart_dataset(6, seed=5)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in dataset["prompt"]]
+    fake = FakeSandbox()
+    result = async_rollout(prompts, greedy_engine(server, tokenizer, DropsAfter(8)), fake, tokenizer, spec,
+                           max_concurrency=3)
+    # Rows cut off by the engine are infrastructure failures: unscored (None), never -1; the rest are scored.
+    assert any(result.infra_failed) and not all(result.infra_failed)
+    rewards = boxed_accuracy([""] * 6, dataset["answer"], model_text=result.model_text, infra_failed=result.infra_failed)
+    assert [r is None for r in rewards] == result.infra_failed
+    assert fake.sessions and all(s.closed for s in fake.sessions)
+
+
+def test_trainer_async_mode_through_trl_generate(server_trainer):
+    assert server_trainer.args.rollout_mode == "async"
+    server_trainer._last_loaded_step = server_trainer.state.global_step  # no weight sync (needs NCCL)
+    server_trainer.model.train()
+    _, completion_ids, tool_mask, _, logprobs, extra, *_ = server_trainer._generate(
+        list(quickstart_dataset(8, seed=6)["prompt"])
+    )
+    assert [len(m) for m in tool_mask] == [len(c) for c in completion_ids] == [len(lp) for lp in logprobs]
+    assert len(extra["num_tool_calls"]) == 8 and not any(extra["infra_failed"])
