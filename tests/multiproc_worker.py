@@ -123,15 +123,23 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
     args = engine_config(out_dir / "run", use_vllm=True, vllm_mode="server", vllm_server_base_url=server_url,
                          per_device_train_batch_size=2, num_generations=2)
     with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
-        trainer = ReToolTrainer(model_path(), args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 8),
-                                processing_class=tokenizer, sandbox=sandbox)
+        dataset = Dataset.from_list([{"prompt": "x", "answer": "1"}] * 8)
+        trainer = ReToolTrainer(model_path(), args=args, train_dataset=dataset, processing_class=tokenizer,
+                                sandbox=sandbox)
         trainer.vllm_generation.temperature = 0.0  # greedy: comparable with the single-process rollout
         trainer._last_loaded_step = trainer.state.global_step  # no weight sync (needs NCCL)
         trainer.model.train()
-        seen: dict = {}
-        record(trainer, seen)
-        trainer._generate(prompts_by_rank[rank])
-    return {"completions": seen, "losses": []}
+        # Both loops: the barrier one (collective calls through TRL's helper) and the async one (each rank its own
+        # requests), on ranks that need different numbers of turns.
+        completions = {}
+        for mode in ("barrier", "async"):
+            trainer.args.rollout_mode = mode
+            completions[mode] = seen = {}
+            generate = trainer._generate
+            record(trainer, seen)
+            trainer._generate(prompts_by_rank[rank])
+            trainer._generate = generate
+    return {"completions": completions, "losses": []}
 
 
 def main() -> None:

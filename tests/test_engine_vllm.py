@@ -187,10 +187,11 @@ def test_server_mode_two_processes_with_different_turns(server, no_nccl_communic
     (tmp_path / "two").mkdir()
     (tmp_path / "two" / "prompts.json").write_text(json.dumps([prompts[:2], prompts[2:]]))
     ranks = launch("vllm_server", tmp_path / "two", 2, server.base_url)
-    for i, prompt in enumerate(prompts):
-        (text, mask), = ranks[i // 2]["completions"][prompt]
-        assert text == tokenizer.decode(single.completion_ids[i])
-        assert mask == single.interpreter_mask[i]
+    for mode in ("barrier", "async"):
+        for i, prompt in enumerate(prompts):
+            (text, mask), = ranks[i // 2]["completions"][mode][prompt]
+            assert text == tokenizer.decode(single.completion_ids[i]), mode
+            assert mask == single.interpreter_mask[i], mode
 
 
 # ------------------------------------------------------------------------------------------- async rollout (server)
@@ -216,6 +217,20 @@ def greedy_engine(server, tokenizer, transport=None):
     return CompletionsEngine(server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0}, transport=transport)
 
 
+class SleepsFirst:
+    """Runs every snippet after a 3 s sleep (past the sandbox's limit): a real timeout in the real sandbox, for every
+    snippet, so which ones time out does not depend on timing."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        return self.inner.run_many([(session, "import time\ntime.sleep(3)\n" + code) for session, code in pairs])
+
+
 @pytest.mark.parametrize("snippet_timeout", [False, True], ids=["ok", "snippet-timeout"])
 def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet_timeout):
     from retool_trl.async_rollout import async_rollout
@@ -223,7 +238,8 @@ def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet
     spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
     prompts = prompt_ids_of(tokenizer, n=12, seed=4)
     # A snippet timeout ends as today: the snippet's error goes back to the model, the row goes on.
-    with LocalSandbox(num_workers=2, timeout_s=0.001 if snippet_timeout else 10.0) as box:
+    with LocalSandbox(num_workers=2, timeout_s=0.5 if snippet_timeout else 10.0) as inner:
+        box = SleepsFirst(inner) if snippet_timeout else inner
         barrier = greedy_vllm_rollout(server_trainer.vllm_generation, tokenizer, box, prompts, spec)
         ours = async_rollout(prompts, greedy_engine(server, tokenizer), box, tokenizer, spec, max_concurrency=8)
     assert sum(barrier.num_tool_calls) > 0
