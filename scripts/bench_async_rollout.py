@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 
 CALLS = (2, 3, 4)
+TOOL_CALL = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -105,24 +107,51 @@ class Server:
 
 # ----------------------------------------------------------------------------------------------------- the workload
 def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool = True):
-    """Per completion: a prompt, the forced turns (prose + a cell that sleeps; then the answer), and the latencies of
-    its calls (2-4 calls per completion, or `calls` each). Without prose, a turn is just its cell, about as long as
-    the tool call TRL's loop is forced to write."""
+    """Per completion: a prompt, its forced turns and the latencies of its calls (2-4 calls per completion, or `calls`
+    each).
+
+    A completion's code turns are one text, repeated (some prose, then `<code>work(i)</code>`), and its last turn is
+    the answer: so each completion forces just two distinct regexes, which vLLM compiles once and caches, rather than
+    a new one per turn (compiling is engine time that is not the rollout's). The sandbox side (`Latencies`) turns the
+    k-th `work(i)` of completion i into a cell that really sleeps its latency. Without prose (the comparison with
+    TRL's loop), a code turn has a fixed sentence before its cell, so that it is as long as the tool call TRL's loop
+    is forced to write (`TOOL_CALL`), and the answer is short."""
     rng = random.Random(seed)
     rows = []
     for i in range(batch):
         n_calls = calls or CALLS[i % len(CALLS)]
         latencies = [rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(n_calls)]
-        words = [rng.randint(0, 4) if prose else 0 for _ in range(n_calls + 1)]
-        turns = [
-            (f"Step {k}: " + "let me check this part " * n if prose else "")
-            + f"<code>import time\ntime.sleep({latency:.3f})\nprint({k})</code>"
-            for k, (latency, n) in enumerate(zip(latencies, words))
-        ]
+        cell = f"<code>work({i})</code>"
+        if prose:
+            code_turn = "Let me check this part " * rng.randint(0, 6) + cell
+        else:
+            code_turn = "I call the tool for this piece now." + cell  # as many characters as TOOL_CALL
         # The last turn: an answer of varying length, which the regex ends with EOS.
-        turns.append("So " + "the checks agree and " * words[-1] + f"the answer is \\boxed{{{i}}}.")
-        rows.append({"prompt": f"Problem {i:03d}:", "turns": turns, "latencies": latencies})
+        answer = "So " + "the checks agree and " * (rng.randint(0, 3) if prose else 0) + f"the answer is \\boxed{{{i}}}."
+        rows.append({"prompt": f"Problem {i:03d}:", "turns": [code_turn] * n_calls + [answer], "latencies": latencies})
     return rows
+
+
+class Latencies:
+    """The real sandbox, with `work(i)` (the k-th call of completion i) run as a cell that sleeps that call's
+    latency and prints k."""
+
+    def __init__(self, inner, workload):
+        self.inner, self.workload = inner, workload
+        self.calls: dict = {}
+        self.lock = threading.Lock()
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        cells = []
+        for session, code in pairs:
+            row = int(re.fullmatch(r"work\((\d+)\)", code.strip()).group(1))
+            with self.lock:
+                k = self.calls[id(session)] = self.calls.get(id(session), -1) + 1
+            cells.append((session, f"import time\ntime.sleep({self.workload[row]['latencies'][k]:.4f})\nprint({k})"))
+        return self.inner.run_many(cells)
 
 
 class ForcedEngine(CompletionsEngine):
@@ -173,11 +202,12 @@ def retool_modes(url, tokenizer, workload, max_len):
         scripts = {tuple(p): row["turns"] for p, row in zip(prompts, workload)}
         return ForcedEngine(url, tokenizer, "</code>", sampling={"temperature": 0.0}, scripts=scripts)
 
-    results, seconds = {}, {}
-    with LocalSandbox(num_workers=2, timeout_s=5.0) as sandbox:
-        sandbox.session().run("print(1)")  # the zygote is up before the clock starts
+    results, seconds, client_cpu = {}, {}, {}
+    with LocalSandbox(num_workers=2, timeout_s=5.0) as box:
+        box.session().run("print(1)")  # the zygote is up before the clock starts
         for mode in ("barrier", "async", "barrier", "async"):  # alternated, best of two
-            started = time.perf_counter()
+            sandbox = Latencies(box, workload)
+            started, cpu = time.perf_counter(), time.process_time()
             if mode == "async":
                 result = async_rollout(prompts, engine(), sandbox, tokenizer, spec, max_concurrency=len(prompts))
             else:
@@ -187,9 +217,12 @@ def retool_modes(url, tokenizer, workload, max_len):
                 finally:
                     backend.close()
             elapsed = time.perf_counter() - started
-            seconds[mode] = min(seconds.get(mode, float("inf")), elapsed)
+            if elapsed < seconds.get(mode, float("inf")):
+                # This process's CPU time (requests, JSON, decoding turns, encoding interpreter blocks): the
+                # rollout's own overhead, which competes with the server for the same cores here.
+                seconds[mode], client_cpu[mode] = elapsed, time.process_time() - cpu
             results[mode] = result
-    return results, seconds
+    return results, seconds, client_cpu
 
 
 # ----------------------------------------------------------------------------------------------------- TRL's loop
@@ -214,13 +247,12 @@ def trl_tools(url, model_dir, workload, max_len):
 
     # No NCCL on this CPU: the benchmark never syncs weights, so the communicator TRL opens at start-up is skipped.
     vllm_client.VLLMClient.init_communicator = lambda self, device=None: None
-    tool_call = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'
     per_row = sorted({len(row["latencies"]) for row in workload})
     assert len(per_row) == 1, "TRL's loop gives every completion the same number of calls"
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
         per_device_train_batch_size=len(workload), num_generations=len(workload), max_completion_length=max_len,
-        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(tool_call)}},  # n>1: sampled
+        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(TOOL_CALL)}},  # n>1: sampled
         max_tool_calling_iterations=per_row[0], report_to="none", use_cpu=True, bf16=False,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Work."}]}] * len(workload))
@@ -234,7 +266,7 @@ def trl_tools(url, model_dir, workload, max_len):
     started = time.perf_counter()
     _, completion_ids, tool_mask, *_ = trainer._generate(prompts)
     elapsed = time.perf_counter() - started
-    return elapsed, trainer._metrics["train"].get("tools/call_frequency"), sum(len(ids) for ids in completion_ids)
+    return elapsed, sum(len(ids) for ids in completion_ids), sum(sum(mask) for mask in tool_mask)
 
 
 def main():
@@ -252,7 +284,7 @@ def main():
         server = Server(model_dir, Path(tempfile.gettempdir()) / "retool_bench_async_vllm.log")
         try:
             workload = make_workload(args.batch, args.seed)
-            results, seconds = retool_modes(server.url, tokenizer, workload, args.max_len)
+            results, seconds, client_cpu = retool_modes(server.url, tokenizer, workload, args.max_len)
             same = (results["async"].completion_ids == results["barrier"].completion_ids
                     and results["async"].interpreter_mask == results["barrier"].interpreter_mask
                     and results["async"].extra_fields() == results["barrier"].extra_fields())
@@ -262,12 +294,14 @@ def main():
             if not args.skip_trl:
                 # TRL's loop gives every completion the same number of calls; no prose, so the tokens match too.
                 fixed = make_workload(args.batch, args.seed + 1, calls=3, prose=False)
-                trl_seconds, trl_frequency, trl_tokens = trl_tools(server.url, model_dir, fixed, args.max_len)
-                ours, ours_seconds = retool_modes(server.url, tokenizer, fixed, args.max_len)
+                trl_seconds, trl_tokens, trl_sampled = trl_tools(server.url, model_dir, fixed, args.max_len)
+                ours, ours_seconds, _ = retool_modes(server.url, tokenizer, fixed, args.max_len)
                 trl = {"trl_seconds": trl_seconds, "ours_seconds": ours_seconds["async"], "calls": 3 * len(fixed),
                        "ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
+                       "ours_sampled_tokens": sum(sum(mask) for mask in ours["async"].interpreter_mask),
+                       "trl_sampled_tokens": trl_sampled,
                        "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
-                       "trl_tokens": trl_tokens, "trl_call_frequency": trl_frequency}
+                       "trl_tokens": trl_tokens}
         finally:
             server.stop()
 
@@ -280,6 +314,9 @@ def main():
         "calls": calls,
         "tokens": tokens,
         "snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
+        "client_cpu_seconds_async": client_cpu["async"],
+        "client_cpu_seconds_barrier": client_cpu["barrier"],
+        "engine_requests": results["async"].engine_calls[0],
     }
     print(f"{'rollout':<40}{'wall s':>10}{'x async':>10}")
     print(f"{'barrier (per-turn wait)':<40}{seconds['barrier']:>10.2f}{summary['async_vs_barrier']:>10.2f}")
