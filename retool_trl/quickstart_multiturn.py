@@ -5,9 +5,9 @@ The task (`retool_trl.data.synthetic`, "the multi-turn task") is `a*b+c*d+e*f` u
 single cell that solves a problem fits. A solution therefore needs two dependent cells, `a=<two products>` then
 `print(a+<third>)`, and the second works only because the session kept `a`.
 
-The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build_multiturn_model.py`) was
-cold-started on traces of which half begin with a failing cell; 60% of those read the error and correct it, the rest
-give up and guess. RL with the interpreter has to learn to solve in cells and to recover; RL without it cannot.
+The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build_multiturn_model.py`) is the
+first quickstart's model cold-started further on traces of which half begin with a failing cell; 60% of those read
+the error and correct it, the rest give up and guess. RL with the interpreter has to learn to solve in cells and to recover; RL without it cannot.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class MultiturnTask:
         failure_fraction (`float`): Share of cold-start traces that begin with a failing cell.
         recover_fraction (`float`): Share of those that correct the error (the rest give up).
         test_fraction (`float`): Share of problems held out for evaluation.
-        architecture (`dict`): `build_tiny_model` sizes (kept small: the checkpoint ships in git).
+        architecture (`dict`): `build_tiny_model` sizes of a fresh model, for a build that does not start from the
+            first quickstart's checkpoint (`scripts/build_multiturn_model.py --init-from none`).
     """
 
     max_cell_chars: int = field(default=MULTITURN_CELL_CHARS, metadata={"help": "Longest cell that runs."})
@@ -55,7 +56,7 @@ class MultiturnTask:
     test_fraction: float = field(default=0.2, metadata={"help": "Share of problems held out for evaluation."})
     architecture: dict = field(
         default_factory=lambda: {"hidden_size": 96, "num_layers": 3, "num_heads": 4, "intermediate_size": 288},
-        metadata={"help": "Tiny Qwen2 sizes."},
+        metadata={"help": "Tiny Qwen2 sizes of a fresh (not first-quickstart-initialised) build."},
     )
 
 

@@ -1,10 +1,12 @@
 """Builds the multi-turn quickstart checkpoint shipped in `retool_trl/assets/multiturn_model/`.
 
-Character-level tokenizer + tiny randomly initialised Qwen2 (smaller than the first quickstart's, to stay under 2 MB),
-cold-started with `retool_trl.sft` on synthetic multi-turn traces (`retool_trl.data.synthetic.multiturn_trace`): half
+The first quickstart's checkpoint (same character-level tokenizer and tags; it already copies an expression into
+code and an interpreter's output into `\\boxed{}`), cold-started further with `retool_trl.sft` on synthetic multi-turn
+traces (`retool_trl.data.synthetic.multiturn_trace`): half
 solve `a*b+c*d+e*f` cleanly in two dependent cells, half start with a failing cell (NameError, SyntaxError, a cell
 over the length budget), and of those 60% read the error and correct it while 40% give up. Prompt and interpreter
-tokens are masked from the loss. About 10 minutes on 2 CPU cores:
+tokens are masked from the loss. The weights are stored in float16 (the config keeps `dtype: float32`, so they load
+as float32) to keep the checkpoint under 2 MB. About 10 minutes on 2 CPU cores:
 
     python scripts/build_multiturn_model.py [--output-dir DIR] [--max-steps N]
 """
@@ -21,13 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 from trl import SFTConfig
 
 # The checkpoint belongs to this checkout, so build it with this checkout's package, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retool_trl.data.synthetic import make_multiturn_sft_traces  # noqa: E402
-from retool_trl.quickstart import build_char_tokenizer, build_tiny_model  # noqa: E402
+from retool_trl.quickstart import QUICKSTART_MODEL_DIR, build_char_tokenizer, build_tiny_model  # noqa: E402
 from retool_trl.quickstart_multiturn import MULTITURN_MODEL_DIR, MultiturnTask  # noqa: E402
 from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noqa: E402
 
@@ -35,10 +38,13 @@ from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noq
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default=str(MULTITURN_MODEL_DIR), help="Where the checkpoint is saved.")
-    parser.add_argument("--num-traces", type=int, default=32000, help="Synthetic SFT traces.")
-    parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
+    parser.add_argument("--init-from", default=str(QUICKSTART_MODEL_DIR),
+                        help="Checkpoint to start from (default: the first quickstart's); 'none' for a fresh tiny model "
+                        "(a few times more steps needed before it copies interpreter output).")
+    parser.add_argument("--num-traces", type=int, default=19200, help="Synthetic SFT traces.")
+    parser.add_argument("--max-steps", type=int, default=1200, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
-    parser.add_argument("--learning-rate", type=float, default=2e-3, help="Peak learning rate (cosine decay).")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a shared 2-core machine).")
     return parser.parse_args()
@@ -52,7 +58,13 @@ def main() -> None:
     started = time.perf_counter()
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=args.seed, **task.architecture)
+    if args.init_from.lower() == "none":
+        model = build_tiny_model(tokenizer, seed=args.seed, **task.architecture)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if model.config.vocab_size != len(tokenizer):
+            raise SystemExit(f"--init-from {args.init_from}: vocabulary of {model.config.vocab_size} tokens, expected "
+                             f"the character tokenizer's {len(tokenizer)}.")
     print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
 
     traces = make_multiturn_sft_traces(
@@ -97,10 +109,15 @@ def main() -> None:
     model.generation_config.do_sample = True  # the quickstart evaluates at the sampling temperature
     model.generation_config.temperature = 1.0
     shutil.rmtree(args.output_dir, ignore_errors=True)
-    model.save_pretrained(args.output_dir)
+    model.to(torch.float16).save_pretrained(args.output_dir)  # half the bytes; training precision is not needed
+    config_file = Path(args.output_dir, "config.json")
+    config = json.loads(config_file.read_text())
+    config["dtype"] = "float32"  # load (and train) in float32 by default
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(args.output_dir)
     build_info = {
         "task": asdict(task),
+        "init_from": Path(args.init_from).name if args.init_from.lower() != "none" else None,
         "num_traces": args.num_traces,
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,
