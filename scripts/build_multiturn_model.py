@@ -118,6 +118,8 @@ def main() -> None:
     build_info = {
         "task": asdict(task),
         "init_from": Path(args.init_from).name if args.init_from.lower() != "none" else None,
+        "model": {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                        "intermediate_size")},
         "num_traces": args.num_traces,
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,

@@ -132,3 +132,61 @@ def test_multiturn_quickstart_end_to_end(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "'completions/mean_length'" not in captured.out + captured.err
     assert "reward " in captured.err and "calls " in captured.err
+
+
+class _FreshSessionPerCell:
+    """A sandbox that forgets everything between cells (what a stateless code tool does)."""
+
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+
+    def session(self):
+        return None
+
+    def run_many(self, pairs):
+        sessions = [self.sandbox.session() for _ in pairs]
+        try:
+            return self.sandbox.run_many([(s, code) for s, (_, code) in zip(sessions, pairs)])
+        finally:
+            for s in sessions:
+                s.close()
+
+    def close(self):
+        self.sandbox.close()
+
+
+def test_shipped_model_solves_in_dependent_cells_and_needs_the_session_state():
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool_trl.data.synthetic import make_multiturn_splits
+    from retool_trl.evaluation import evaluate
+    from retool_trl.quickstart import QuickstartArguments, _rl_config
+    from retool_trl.quickstart_multiturn import MULTITURN_DEFAULTS, MultiturnTask, multiturn_model_path
+
+    path = Path(multiturn_model_path())
+    assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) < 2 * 2**20
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert model.dtype == torch.float32  # stored in float16, loaded for training in float32
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    task = MultiturnTask()
+    args = QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS)
+    config = _rl_config(args, Path("unused"), True, max_tool_calls=task.max_tool_calls,
+                        max_interpreter_output_chars=task.max_interpreter_output_chars,
+                        generation_kwargs={"do_sample": False})
+    problems = make_multiturn_splits(1, 16, seed=3)["test"]
+    sandbox = build_sandbox("local", num_workers=1, timeout_s=5.0)
+    try:
+        with_state = evaluate(model, tokenizer, problems, config, batch_size=16, progress=False,
+                              sandbox=CellBudgetSandbox(sandbox, task.max_cell_chars))
+        without_state = evaluate(model, tokenizer, problems, config, batch_size=16, progress=False,
+                                 sandbox=CellBudgetSandbox(_FreshSessionPerCell(sandbox), task.max_cell_chars))
+    finally:
+        sandbox.close()
+    solved = [r for r in with_state.records if r["correct"]]
+    assert len(solved) >= 12, [r["completion"] for r in with_state.records]
+    assert all(r["num_tool_calls"] >= 2 for r in solved)
+    # The same completions' second cell reads `a` from the first: without the session's state they cannot succeed.
+    assert without_state.metrics["avg@1"] <= 0.1
