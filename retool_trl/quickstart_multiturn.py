@@ -190,8 +190,8 @@ def multiturn_table(summary: dict) -> str:
             name,
             f"{pct(r['accuracy_before'])} -> {pct(r['accuracy_after'])}",
             f"{r['calls_per_completion_before']:.2f} -> {r['calls_per_completion_after']:.2f}",
-            f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
-            f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})",
+            (f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
+             f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})"),
             f"{r['train_s']:.0f} s",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
