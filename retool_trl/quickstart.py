@@ -455,17 +455,18 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{message} (see `retool-trl quickstart --help`)")
 
     parser = _Parser(prog="retool-trl quickstart", description=QuickstartArguments.__doc__.split("\n\n")[0])
+    from .quickstart_multiturn import MULTITURN_DEFAULTS
+
     for f in fields(QuickstartArguments):
         kind = {"int": int, "float": float}.get(str(f.type), str)
+        default = f"{f.default}" + (f"; multiturn: {MULTITURN_DEFAULTS[f.name]}" if f.name in MULTITURN_DEFAULTS else "")
         # No argparse defaults: an unset option takes the task's default (see `run_quickstart`).
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
                             choices=TASKS if f.name == "task" else None,
-                            help=f"{f.metadata['help']} (default: {f.default})")
+                            help=f"{f.metadata['help']} (default: {default})")
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     try:
-        defaults = {}
-        if options.get("task") == "multiturn":
-            from .quickstart_multiturn import MULTITURN_DEFAULTS as defaults
+        defaults = MULTITURN_DEFAULTS if options.get("task") == "multiturn" else {}
         QuickstartArguments(**{**defaults, **options})  # bad values are reported before any work starts
     except ValueError as error:
         raise UserError(str(error)) from None
