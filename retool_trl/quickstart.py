@@ -218,7 +218,7 @@ def _rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_t
         lr_scheduler_type="constant",
         beta=args.beta,
         max_completion_length=args.max_completion_length,
-        # Arithmetic: one call suffices, a second is tolerated.
+        # 2 for arithmetic (one call suffices, a second is tolerated); the multi-turn task passes its own.
         max_tool_calls=max_tool_calls if with_tools else 0,
         max_interpreter_output_chars=64,
         system_prompt="none",  # the model was cold-started on plain prompts
@@ -291,8 +291,9 @@ class CompactProgressCallback(ProgressCallback):
             return
         with self.log_path.open("a") as handle:
             handle.write(json.dumps({"step": state.global_step, **logs}, default=str) + "\n")
-        if self.training_bar is not None:
-            self.training_bar.set_postfix_str(self.summary(logs), refresh=False)
+        line = self.summary(logs)
+        if self.training_bar is not None and line:  # the final log (runtime, mean loss) keeps the last line shown
+            self.training_bar.set_postfix_str(line, refresh=False)
 
     @classmethod
     def summary(cls, logs: dict) -> str:
