@@ -7,7 +7,8 @@ single cell that solves a problem fits. A solution therefore needs two dependent
 
 The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build_multiturn_model.py`) is the
 first quickstart's model cold-started further on traces of which half begin with a failing cell; 60% of those read
-the error and correct it, the rest give up and guess. RL with the interpreter has to learn to solve in cells and to recover; RL without it cannot.
+the error and correct it, the rest give up and guess. RL with the interpreter has to learn to solve in cells and to
+recover; RL without it cannot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
-from .rewards import boxed_accuracy
+from .rewards import boxed_accuracy, is_correct
 from .sandbox import ExecResult
 
 MULTITURN_MODEL_DIR = Path(__file__).parent / "assets" / "multiturn_model"
@@ -114,24 +115,26 @@ def recovery_rate(records: Sequence[dict]) -> tuple[float | None, int]:
     return (sum(failing) / len(failing) if failing else None), len(failing)
 
 
-def boxed_accuracy_and_recovery(completions, answer, num_tool_errors=None, log_metric=None, **kwargs) -> list:
+def boxed_accuracy_and_recovery(
+    completions, answer, model_text=None, num_tool_errors=None, log_metric=None, **kwargs
+) -> list:
     """[`~retool_trl.rewards.boxed_accuracy`], also logging `retool/recovery_rate` (correct share of the step's
-    completions that had a failing cell) and `retool/failing_cell_ratio` (share that had one)."""
-    rewards = boxed_accuracy(completions, answer, log_metric=log_metric, **kwargs)
+    completions that had a failing cell) and `retool/failing_cell_ratio` (share that had one).
+
+    Correctness for the log is judged like the reward (`is_correct`, the quickstart's default tags), not read back
+    from reward values, which depend on the configured `correct_reward`.
+    """
+    rewards = boxed_accuracy(completions, answer, model_text=model_text, log_metric=log_metric, **kwargs)
     if log_metric is not None and num_tool_errors is not None:
-        failing = [r for r, errors in zip(rewards, num_tool_errors) if errors and r is not None]
-        log_metric("retool/failing_cell_ratio", sum(bool(e) for e in num_tool_errors) / max(len(num_tool_errors), 1))
+        failing = [i for i, errors in enumerate(num_tool_errors) if errors]
+        log_metric("retool/failing_cell_ratio", len(failing) / max(len(num_tool_errors), 1))
         if failing:
-            good = _scalar_reward(kwargs.get("correct_reward"))
-            log_metric("retool/recovery_rate", sum(r == good for r in failing) / len(failing))
+            recovered = [
+                is_correct(completions[i], answer[i], model_text[i] if model_text is not None else None)
+                for i in failing
+            ]
+            log_metric("retool/recovery_rate", sum(recovered) / len(recovered))
     return rewards
-
-
-
-def _scalar_reward(value, default: float = 1.0) -> float:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return default if value is None else float(value)
 
 
 # ----------------------------------------------------------------------------------------------- the quickstart run

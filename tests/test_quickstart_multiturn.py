@@ -90,6 +90,13 @@ def test_reward_logs_recovery_of_the_step():
     )
     assert rewards == [1.0, -1.0, 1.0]
     assert logged["retool/recovery_rate"] == 0.5 and logged["retool/failing_cell_ratio"] == 2 / 3
+    # The log follows correctness, whatever reward values are configured.
+    logged.clear()
+    rewards = boxed_accuracy_and_recovery(
+        completions, ["5", "5", "5"], model_text=completions, num_tool_errors=[1, 1, 0], correct_reward=2.0,
+        incorrect_reward=0.0, log_metric=lambda name, value: logged.setdefault(name, value),
+    )
+    assert rewards == [2.0, 0.0, 2.0] and logged["retool/recovery_rate"] == 0.5
 
 
 def test_compact_progress_line():
