@@ -141,7 +141,7 @@ def boxed_accuracy_and_recovery(
 # `QuickstartArguments` values of `--task multiturn` where the user sets none (a completion with a recovery is up to
 # ~125 tokens; the arithmetic defaults fit one call in 64).
 MULTITURN_DEFAULTS = {
-    "max_steps": 40,
+    "max_steps": 60,
     "prompts_per_step": 8,
     "num_generations": 8,
     "max_completion_length": 144,
