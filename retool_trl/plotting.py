@@ -144,6 +144,57 @@ def save_figure(fig, output: str | Path) -> Path:
     return output
 
 
+# The +1/-1 reward of boxed_accuracy maps to accuracy as (r + 1) / 2.
+ARITHMETIC_PANELS = (
+    ("reward", "reward", lambda v: v),
+    ("accuracy (train samples)", "rewards/boxed_accuracy/mean", lambda v: (v + 1) / 2),
+    ("code ratio (executed calls)", "retool/code_ratio", lambda v: v),
+    ("mean completion length", "completions/mean_length", lambda v: v),
+)
+
+
+def plot_comparison(
+    histories: dict[str, list[dict]], output: str | Path, evals: dict[str, dict] | None = None,
+    panels=ARITHMETIC_PANELS,
+) -> Path:
+    """Training metrics over GRPO steps, one panel per metric and one line per run, as a PNG.
+
+    Args:
+        histories (`dict[str, list[dict]]`): Run name -> TRL `log_history`.
+        output (`str` or `Path`): PNG path.
+        evals (`dict[str, dict]`, *optional*): Run name -> summary entry; held-out values before/after are drawn
+            as markers on the panels of `accuracy` (accuracy panel), `calls_per_completion` and `recovery_rate`.
+        panels: `(title, logged key, transform)` per panel; the reward, accuracy, code ratio and length by default.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    def series(history, key, transform=lambda v: v):
+        points = [(h["step"], transform(h[key])) for h in history if isinstance(h.get(key), (int, float))]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    held_out = {"rewards/": "accuracy", "retool/calls_per_completion": "calls_per_completion",
+                "retool/recovery_rate": "recovery_rate"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.2))
+    for ax, (title, key, transform) in zip(axes, panels):
+        for index, (name, history) in enumerate(histories.items()):
+            steps, values = series(history, key, transform)
+            if values:
+                ax.plot(steps, values, label=name, color=f"C{index}", linewidth=1.5)
+            metric = next((m for prefix, m in held_out.items() if key.startswith(prefix)), None)
+            if evals and metric and name in evals and evals[name].get(f"{metric}_before") is not None:
+                last = max((h.get("step", 0) for h in history), default=0)
+                ax.plot([0, last], [evals[name][f"{metric}_before"], evals[name].get(f"{metric}_after")], "o--",
+                        color=f"C{index}", alpha=0.6, markersize=5, label=f"{name} held-out")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    return save_figure(fig, output)
+
+
 def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequence[str] | None = None) -> Path:
     """Plots a run folder's logs (see [`load_log_history`]) to `output` (default: `RUN/training_curves.png`)."""
     run = Path(run)
@@ -153,4 +204,6 @@ def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequenc
     return plot_log_history(history, output, metrics, title=run.resolve().name)
 
 
-__all__ = ["DEFAULT_METRICS", "available_metrics", "load_log_history", "plot_log_history", "plot_run"]
+__all__ = [
+    "DEFAULT_METRICS", "available_metrics", "load_log_history", "plot_comparison", "plot_log_history", "plot_run"
+]

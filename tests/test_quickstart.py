@@ -93,7 +93,7 @@ def test_cli_reports_bad_values_in_one_line(capsys):
     assert "--model" in capsys.readouterr().err
 
 
-def test_quickstart_run_folder(tmp_path):
+def test_quickstart_run_folder(tmp_path, capsys):
     summary = run_quickstart(
         tmp_path / "run", max_steps=2, prompts_per_step=2, num_generations=4, num_train=8, num_eval=8,
     )
@@ -107,6 +107,9 @@ def test_quickstart_run_folder(tmp_path):
         history = json.loads((out / run / "trainer_state.json").read_text())["log_history"]
         assert [h["step"] for h in history if "reward" in h] == [1, 2]
         assert all("retool/code_ratio" in h for h in history if "reward" in h)
+        # The full log is kept in the run folder, line by line as it was logged.
+        log = [json.loads(line) for line in (out / run / "log.jsonl").read_text().splitlines()]
+        assert [entry for entry in log if "reward" in entry] == [h for h in history if "reward" in h]
         assert (out / run / "model" / "config.json").is_file()
         samples = (out / run / "eval_after_samples.jsonl").read_text().splitlines()
         assert len(samples) == 8 and all("completion" in json.loads(line) for line in samples)
@@ -115,3 +118,7 @@ def test_quickstart_run_folder(tmp_path):
     assert written["text_rl"]["code_ratio_before"] == written["text_rl"]["code_ratio_after"] == 0
     assert written["wall_s"] > 0
     assert (out / "quickstart.png").stat().st_size > 10_000
+    # The console shows the progress bar with a few numbers, not TRL's ~40-key log dicts.
+    captured = capsys.readouterr()
+    assert "'completions/mean_length'" not in captured.out + captured.err
+    assert "reward " in captured.err and "code " in captured.err

@@ -5,12 +5,18 @@ import re
 import pytest
 
 from retool_trl.data.synthetic import (
+    FAILURES,
     KINDS,
+    MULTITURN_CELL_CHARS,
     PROMPT_TEMPLATE,
     is_held_out,
     make_arithmetic_dataset,
+    make_multiturn_sft_traces,
+    make_multiturn_splits,
     make_sft_traces,
     make_splits,
+    multiturn_cells,
+    sample_multiturn_problems,
     sample_problems,
 )
 
@@ -109,3 +115,49 @@ def test_sft_traces_use_configured_tags():
 
     traces = make_sft_traces(20, seed=0, code_fraction=1.0, tags=Tags())
     assert all(c.startswith("<py>print(") and "</py><out>" in c and "</out>\\boxed{" in c for c in traces["completion"])
+
+
+def test_first_task_draws_are_pinned():
+    # The shipped quickstart model and its README numbers rest on these exact draws.
+    splits = make_splits(512, 256, seed=0)
+    assert splits["train"]["expression"][:3] == ["1663+5242+9376", "5969+8808+6866", "(616*27)%47"]
+    assert splits["test"]["expression"][:3] == ["843*13", "1484+8689+1712", "(570*44)%95"]
+    assert make_sft_traces(5, seed=0)["uses_code"] == [True, False, True, False, False]
+
+
+def test_multiturn_problems_need_two_cells_under_the_budget():
+    problems = sample_multiturn_problems(200, seed=0, split=None)
+    for problem in problems:
+        assert problem.answer == eval(problem.expression)  # our own generated arithmetic
+        # The shortest single cell that solves it (the bare expression) is over the budget ...
+        assert len(problem.expression) > MULTITURN_CELL_CHARS
+        first, second = multiturn_cells(problem)
+        # ... while the two dependent cells fit, and together compute the answer.
+        assert len(first) <= MULTITURN_CELL_CHARS and len(second) <= MULTITURN_CELL_CHARS
+        assert _run_python(f"{first}\n{second}") == f"{problem.answer}\n"
+    assert len({p.expression for p in problems}) == 200
+
+
+def test_multiturn_splits_are_disjoint_and_seeded():
+    splits = make_multiturn_splits(300, 100, seed=0)
+    train, test = set(splits["train"]["expression"]), set(splits["test"]["expression"])
+    assert len(train) == 300 and len(test) == 100 and not train & test
+    assert all(is_held_out(e) for e in test)
+    assert splits["train"]["expression"] == make_multiturn_splits(300, 100, seed=0)["train"]["expression"]
+    assert splits["train"]["expression"] != make_multiturn_splits(300, 100, seed=1)["train"]["expression"]
+
+
+def test_multiturn_sft_trace_mix():
+    traces = make_multiturn_sft_traces(2000, seed=0, failure_fraction=0.5, recover_fraction=0.6)
+    failing = [r for r in traces if r["failure"]]
+    assert 0.45 < len(failing) / len(traces) < 0.55
+    assert {r["failure"] for r in failing} == set(FAILURES)
+    assert 0.55 < sum(r["recovers"] for r in failing) / len(failing) < 0.65
+    assert all(r["recovers"] for r in traces if not r["failure"])
+    assert not any(is_held_out(e) for e in traces["expression"])
+    for row in traces:
+        assert row["completion"].endswith(f"\\boxed{{{row['answer']}}}")
+        # A trace that answers after computing shows the answer in the interpreter first; one that gives up never.
+        assert (f"<interpreter>{row['answer']}\n</interpreter>" in row["completion"]) == row["recovers"]
+    with pytest.raises(ValueError, match="failure_fraction"):
+        make_multiturn_sft_traces(5, failure_fraction=1.5)

@@ -3,7 +3,7 @@
     retool-trl train --config configs/retool_qwen2.5-1.5b_lora.yaml [--key value ...]   GRPO with the interpreter
     retool-trl sft --config configs/sft_cold_start.yaml [--key value ...]       cold-start SFT, interpreter masked
     retool-trl eval --model PATH --dataset aime_2024 --num-samples 8            pass@1 / avg@k with the interpreter
-    retool-trl quickstart [--output-dir DIR]                                    the CPU quickstart
+    retool-trl quickstart [--task multiturn] [--output-dir DIR]                 the CPU quickstart(s)
     retool-trl plot --run DIR                                                   PNG of a run's logs
 
 `train` and `sft` parse with TRL's `TrlParser` (see `retool_trl.cli.parser`), so every `GRPOConfig`/`SFTConfig`

@@ -119,16 +119,24 @@ def sample_problems(
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
     levels = _as_levels(difficulty)
     rng = random.Random(seed)
+    return _draw_distinct(
+        n,
+        lambda: sample_problem(rng, rng.choice(list(kinds)), rng.choice(levels)),
+        split,
+        test_fraction,
+        f"{split or 'any'} problems at difficulty {difficulty} with kinds {list(kinds)}",
+    )
+
+
+def _draw_distinct(n: int, draw, split: str | None, test_fraction: float, what: str) -> list[Problem]:
+    """`n` distinct problems of `split` from repeated `draw()` calls (problems of the other split are skipped)."""
     problems: dict[str, Problem] = {}
     attempts, max_attempts = 0, 100 * n + 1000
     while len(problems) < n:
         attempts += 1
         if attempts > max_attempts:  # a small problem space (e.g. difficulty 1 products) ran out
-            raise ValueError(
-                f"Could not draw {n} distinct {split or 'any'} problems at difficulty {difficulty} with kinds "
-                f"{list(kinds)}; ask for fewer or raise the difficulty."
-            )
-        problem = sample_problem(rng, rng.choice(list(kinds)), rng.choice(levels))
+            raise ValueError(f"Could not draw {n} distinct {what}; ask for fewer or raise the difficulty.")
+        problem = draw()
         if split is not None and is_held_out(problem.expression, test_fraction) != (split == "test"):
             continue
         problems.setdefault(problem.expression, problem)
@@ -231,3 +239,130 @@ def make_sft_traces(
     uses_code = [rng.random() < code_fraction for _ in problems]
     completions = [code_trace(p, tags) if c else direct_trace(p) for p, c in zip(problems, uses_code)]
     return _to_dataset(problems, {"completion": completions, "uses_code": uses_code})
+
+
+# ------------------------------------------------------------------------------------------- the multi-turn task
+# A sum of three products, `a*b+c*d+e*f` (3-digit times 2-digit), under a per-cell length budget that no single cell
+# solving it fits: the shortest such cell, the bare 20-character expression, is over `MULTITURN_CELL_CHARS`. The
+# traces split it as `a=<first two products>` then `print(a+<third product>)`, so the second cell needs a variable
+# the first one left in the session.
+MULTITURN_KIND = "three_products"
+MULTITURN_CELL_CHARS = 16
+# How a cold-start trace goes wrong before it answers (see `multiturn_trace`).
+FAILURES = ("undefined_name", "too_long", "typo", "wrong_name")
+
+
+def cell_too_long_error(max_chars: int = MULTITURN_CELL_CHARS) -> str:
+    """The interpreter's reply to a cell over the budget (what `retool_trl.quickstart_multiturn` returns)."""
+    return f"CellTooLong: over {max_chars} chars\n"
+
+
+def sample_multiturn_problem(rng: random.Random) -> Problem:
+    """Draws one `a*b+c*d+e*f` problem (`a`, `c`, `e` of 3 digits; `b`, `d`, `f` of 2)."""
+    pairs = [(_number(rng, 3), _number(rng, 2)) for _ in range(3)]
+    expression = "+".join(f"{a}*{b}" for a, b in pairs)
+    return Problem(MULTITURN_KIND, expression, sum(a * b for a, b in pairs), 2)
+
+
+def sample_multiturn_problems(
+    n: int, seed: int = 0, split: str | None = "train", test_fraction: float = DEFAULT_TEST_FRACTION
+) -> list[Problem]:
+    """Draws `n` distinct multi-turn problems of `split` (arguments as in [`sample_problems`])."""
+    if split not in ("train", "test", None):
+        raise ValueError(f"split must be 'train', 'test' or None, got {split!r}.")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
+    rng = random.Random(f"multiturn-{seed}")
+    return _draw_distinct(n, lambda: sample_multiturn_problem(rng), split, test_fraction, "multi-turn problems")
+
+
+def make_multiturn_splits(
+    n_train: int, n_test: int, seed: int = 0, test_fraction: float = DEFAULT_TEST_FRACTION
+) -> DatasetDict:
+    """`DatasetDict(train=..., test=...)` of disjoint multi-turn problems (columns as [`make_splits`])."""
+    return DatasetDict(
+        train=_to_dataset(sample_multiturn_problems(n_train, seed, "train", test_fraction)),
+        test=_to_dataset(sample_multiturn_problems(n_test, seed + 1, "test", test_fraction)),
+    )
+
+
+def multiturn_cells(problem: Problem) -> tuple[str, str]:
+    """The two cells of a correct solution: `a=<first two products>` and `print(a+<third product>)`."""
+    head, _, last = problem.expression.rpartition("+")
+    return f"a={head}", f"print(a+{last})"
+
+
+def multiturn_trace(
+    problem: Problem, failure: str | None = None, recovers: bool = True, max_cell_chars: int = MULTITURN_CELL_CHARS,
+    tags=None,
+) -> str:
+    r"""The completion of a model that solves a multi-turn problem in cells, possibly after a failing cell.
+
+    Each interpreter block holds exactly what the quickstart's interpreter returns: the printed output, nothing
+    for an assignment, and for a failing cell the exception's last line only.
+
+    Args:
+        problem (`Problem`): A problem from [`sample_multiturn_problem`].
+        failure (`str`, *optional*): How the trace goes wrong first, one of `FAILURES`:
+            `undefined_name` runs the second cell before the first (`NameError` on `a`); `too_long` puts the whole
+            expression in one cell (refused: over the budget); `typo` writes `x` for the second `*` of the first cell
+            (`SyntaxError`); `wrong_name` defines `a` and then uses `b` (`NameError`, `a` stays in the session).
+        recovers (`bool`): After the failure, write the corrected cell(s) and answer; if False, give up and state
+            an answer without computing it (the gold value: a format only, which a small model cannot reproduce).
+        max_cell_chars (`int`): The per-cell budget (only the `too_long` failure's error message depends on it).
+        tags: As in [`make_sft_traces`].
+    """
+    code_start, code_end, interp_start, interp_end = _tags(tags)
+    first, second = multiturn_cells(problem)
+    result = str(problem.answer)
+
+    def cell(code: str, output: str) -> str:
+        return f"{code_start}{code}{code_end}{interp_start}{output}{interp_end}"
+
+    failing = {
+        None: "",
+        "undefined_name": cell(second, "NameError: name 'a' is not defined\n"),
+        "too_long": cell(f"print({problem.expression})", cell_too_long_error(max_cell_chars)),
+        "typo": cell(first[::-1].replace("*", "x", 1)[::-1], "SyntaxError: invalid decimal literal\n"),
+        "wrong_name": cell(first, "") + cell(second.replace("a", "b", 1), "NameError: name 'b' is not defined\n"),
+    }
+    if failure not in failing:
+        raise ValueError(f"Unknown failure {failure!r}; expected None or one of {FAILURES}.")
+    answer = f"\\boxed{{{result}}}"
+    if failure is not None and not recovers:
+        return failing[failure] + answer
+    solved = cell(second, f"{result}\n") if failure == "wrong_name" else cell(first, "") + cell(second, f"{result}\n")
+    return failing[failure] + solved + answer
+
+
+def make_multiturn_sft_traces(
+    n: int,
+    seed: int = 0,
+    failure_fraction: float = 0.5,
+    recover_fraction: float = 0.6,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    max_cell_chars: int = MULTITURN_CELL_CHARS,
+    tags=None,
+) -> Dataset:
+    """Cold-start traces for the multi-turn task on training-split problems: a `failure_fraction` share starts with
+    a failing cell (kinds of `FAILURES` in equal shares), of which a `recover_fraction` share reads the error and
+    corrects it while the rest gives up (so RL has recovery to reinforce); the others solve it cleanly in two cells.
+
+    Returns:
+        `Dataset` with columns `prompt`, `completion`, `answer`, `kind`, `expression`, `difficulty`, `failure`
+        (`""` for none) and `recovers`.
+    """
+    for name, value in (("failure_fraction", failure_fraction), ("recover_fraction", recover_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}.")
+    problems = sample_multiturn_problems(n, seed, "train", test_fraction)
+    rng = random.Random(f"{seed}-multiturn-failures")  # independent of the problem stream
+    failures, recovers = [], []
+    for _ in problems:
+        failures.append(rng.choice(FAILURES) if rng.random() < failure_fraction else None)
+        recovers.append(failures[-1] is None or rng.random() < recover_fraction)
+    completions = [
+        multiturn_trace(p, f, r, max_cell_chars, tags) for p, f, r in zip(problems, failures, recovers)
+    ]
+    return _to_dataset(problems, {"completion": completions, "failure": [f or "" for f in failures],
+                                  "recovers": recovers})

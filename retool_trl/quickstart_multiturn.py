@@ -1,0 +1,201 @@
+r"""The multi-turn CPU quickstart: state across cells and recovery from a failing cell.
+
+The task (`retool_trl.data.synthetic`, "the multi-turn task") is `a*b+c*d+e*f` under a per-cell length budget that
+[`CellBudgetSandbox`] enforces: a cell over `max_cell_chars` is refused with an error instead of running, and no
+single cell that solves a problem fits. A solution therefore needs two dependent cells, `a=<two products>` then
+`print(a+<third>)`, and the second works only because the session kept `a`.
+
+The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build_multiturn_model.py`) is the
+first quickstart's model cold-started further on traces of which half begin with a failing cell; 60% of those read
+the error and correct it, the rest give up and guess. RL with the interpreter has to learn to solve in cells and to
+recover; RL without it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
+from .rewards import boxed_accuracy, is_correct
+from .sandbox import ExecResult
+
+MULTITURN_MODEL_DIR = Path(__file__).parent / "assets" / "multiturn_model"
+
+
+def multiturn_model_path() -> str:
+    """Folder of the shipped multi-turn quickstart model."""
+    if not (MULTITURN_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The multi-turn quickstart model is missing from {MULTITURN_MODEL_DIR}; rebuild it with "
+            "`python scripts/build_multiturn_model.py`."
+        )
+    return str(MULTITURN_MODEL_DIR)
+
+
+@dataclass
+class MultiturnTask:
+    """The multi-turn task, its cold start and its rollout limits.
+
+    Args:
+        max_cell_chars (`int`): Longest cell the interpreter runs; longer cells are refused with an error.
+        max_tool_calls (`int`): Cells per completion (a clean solution takes 2, a recovery 3).
+        max_interpreter_output_chars (`int`): Interpreter output kept per cell.
+        failure_fraction (`float`): Share of cold-start traces that begin with a failing cell.
+        recover_fraction (`float`): Share of those that correct the error (the rest give up).
+        test_fraction (`float`): Share of problems held out for evaluation.
+        architecture (`dict`): `build_tiny_model` sizes of a fresh model, for a build that does not start from the
+            first quickstart's checkpoint (`scripts/build_multiturn_model.py --init-from none`).
+    """
+
+    max_cell_chars: int = field(default=MULTITURN_CELL_CHARS, metadata={"help": "Longest cell that runs."})
+    max_tool_calls: int = field(default=4, metadata={"help": "Cells per completion."})
+    max_interpreter_output_chars: int = field(default=48, metadata={"help": "Interpreter output kept per cell."})
+    failure_fraction: float = field(default=0.5, metadata={"help": "Cold-start traces with a failing cell."})
+    recover_fraction: float = field(default=0.6, metadata={"help": "Of those, the share that recovers."})
+    test_fraction: float = field(default=0.2, metadata={"help": "Share of problems held out for evaluation."})
+    architecture: dict = field(
+        default_factory=lambda: {"hidden_size": 96, "num_layers": 3, "num_heads": 4, "intermediate_size": 288},
+        metadata={"help": "Tiny Qwen2 sizes of a fresh (not first-quickstart-initialised) build."},
+    )
+
+
+class CellBudgetSandbox:
+    """A sandbox that refuses cells over `max_cell_chars` and reports a failing cell by its exception line only.
+
+    Wraps any `retool_trl.sandbox` backend (sessions are the wrapped backend's). A refused cell does not run, so the
+    session's state is unchanged, and its result is an ordinary failed cell (`ok=False`), never an infrastructure
+    error. Keeping only the last line of a traceback (`NameError: name 'a' is not defined`) keeps interpreter blocks
+    short for a model with a 144-token budget, and makes them exactly what the cold-start traces show.
+
+    Args:
+        sandbox: The wrapped backend (`session()`, `run_many()`, `close()`).
+        max_cell_chars (`int`): Longest cell that runs.
+    """
+
+    def __init__(self, sandbox, max_cell_chars: int = MULTITURN_CELL_CHARS):
+        if max_cell_chars < 1:
+            raise ValueError(f"max_cell_chars must be >= 1, got {max_cell_chars}.")
+        self.sandbox = sandbox
+        self.max_cell_chars = max_cell_chars
+
+    def session(self):
+        return self.sandbox.session()
+
+    def run_many(self, pairs: Iterable[tuple[object, str]]) -> list[ExecResult]:
+        pairs = list(pairs)
+        allowed = [k for k, (_, code) in enumerate(pairs) if len(code) <= self.max_cell_chars]
+        ran = iter(self.sandbox.run_many([pairs[k] for k in allowed]) if allowed else [])
+        refused = ExecResult(cell_too_long_error(self.max_cell_chars), ok=False, timed_out=False, duration_s=0.0)
+        results = []
+        for k in range(len(pairs)):
+            result = next(ran) if k in allowed else refused
+            if not result.ok and not result.infra_error and k in allowed:
+                lines = [line for line in result.output.splitlines() if line.strip()]
+                result = ExecResult(f"{lines[-1].strip()}\n" if lines else "", result.ok, result.timed_out,
+                                    result.duration_s, result.infra_error)
+            results.append(result)
+        return results
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+
+def recovery_rate(records: Sequence[dict]) -> tuple[float | None, int]:
+    """Of the completions with at least one failing cell, the share that still ends correct, and their number.
+
+    Args:
+        records: Scored completions with `num_tool_errors` and `correct` (as in `EvalReport.records`).
+
+    Returns:
+        `(rate, count)`; `rate` is `None` when no completion had a failing cell.
+    """
+    failing = [r["correct"] for r in records if r["num_tool_errors"] > 0]
+    return (sum(failing) / len(failing) if failing else None), len(failing)
+
+
+def boxed_accuracy_and_recovery(
+    completions, answer, model_text=None, num_tool_errors=None, log_metric=None, **kwargs
+) -> list:
+    """[`~retool_trl.rewards.boxed_accuracy`], also logging `retool/recovery_rate` (correct share of the step's
+    completions that had a failing cell) and `retool/failing_cell_ratio` (share that had one).
+
+    Correctness for the log is judged like the reward (`is_correct`, the quickstart's default tags), not read back
+    from reward values, which depend on the configured `correct_reward`.
+    """
+    rewards = boxed_accuracy(completions, answer, model_text=model_text, log_metric=log_metric, **kwargs)
+    if log_metric is not None and num_tool_errors is not None:
+        failing = [i for i, errors in enumerate(num_tool_errors) if errors]
+        log_metric("retool/failing_cell_ratio", len(failing) / max(len(num_tool_errors), 1))
+        if failing:
+            recovered = [
+                is_correct(completions[i], answer[i], model_text[i] if model_text is not None else None)
+                for i in failing
+            ]
+            log_metric("retool/recovery_rate", sum(recovered) / len(recovered))
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------- the quickstart run
+# `QuickstartArguments` values of `--task multiturn` where the user sets none (a completion with a recovery is up to
+# ~125 tokens; the arithmetic defaults fit one call in 64).
+MULTITURN_DEFAULTS = {
+    "max_steps": 60,
+    "prompts_per_step": 8,
+    "num_generations": 8,
+    "max_completion_length": 144,
+    "num_eval": 256,
+    "threads": 1,
+}
+
+MULTITURN_PANELS = (
+    ("accuracy (train samples)", "rewards/boxed_accuracy_and_recovery/mean", lambda v: (v + 1) / 2),
+    ("interpreter calls per completion", "retool/calls_per_completion", lambda v: v),
+    ("recovery rate (correct | failing cell)", "retool/recovery_rate", lambda v: v),
+    ("share with a failing cell", "retool/failing_cell_ratio", lambda v: v),
+)
+
+
+def multiturn_plan(args):
+    """The multi-turn task's part of `run_quickstart` (a `TaskPlan`)."""
+    from .data.synthetic import make_multiturn_splits
+    from .quickstart import TaskPlan
+
+    task = MultiturnTask()
+    splits = make_multiturn_splits(args.num_train, args.num_eval, seed=args.seed, test_fraction=task.test_fraction)
+    return TaskPlan(
+        task=task,
+        model=args.model or multiturn_model_path(),
+        splits=splits,
+        wrap_sandbox=lambda sandbox: CellBudgetSandbox(sandbox, task.max_cell_chars),
+        run_kwargs={
+            "reward_funcs": [boxed_accuracy_and_recovery],
+            "max_tool_calls": task.max_tool_calls,
+            "max_interpreter_output_chars": task.max_interpreter_output_chars,
+        },
+        panels=MULTITURN_PANELS,
+        table=multiturn_table,
+    )
+
+
+def multiturn_table(summary: dict) -> str:
+    """The console table of a multi-turn quickstart summary."""
+
+    def pct(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    rows = [("run", "accuracy before -> after", "calls/completion before -> after",
+             "recovery before -> after (failing completions)", "train time")]
+    for name in ("tool_rl", "text_rl"):
+        r = summary[name]
+        rows.append((
+            name,
+            f"{pct(r['accuracy_before'])} -> {pct(r['accuracy_after'])}",
+            f"{r['calls_per_completion_before']:.2f} -> {r['calls_per_completion_after']:.2f}",
+            (f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
+             f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})"),
+            f"{r['train_s']:.0f} s",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
