@@ -175,7 +175,9 @@ def async_rollout(
     have_logprobs, engine_calls = [True], [0]
     try:
         _run_coroutine(
-            _run_all(rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls)
+            _run_all(
+                rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls
+            )
         )
     finally:
         for row in rows:
@@ -199,7 +201,9 @@ async def _run_all(
                 budget = spec.max_completion_length - len(row.completion_ids)
                 engine_calls[0] += 1  # one request per turn of each completion
                 try:
-                    out = await engine.generate(row.prompt_ids + row.completion_ids, budget, row.calls < spec.max_tool_calls)
+                    out = await engine.generate(
+                        row.prompt_ids + row.completion_ids, budget, row.calls < spec.max_tool_calls
+                    )
                 except EngineError:
                     # The engine failed, not the model: the completion is unscored (`infra_failed`), never -1.
                     row.infra_errors += 1

@@ -135,8 +135,10 @@ class ReToolConfig(GRPOConfig):
     )
     sandbox_backend: str = field(
         default="local",
-        metadata={"help": "Code execution backend: 'local' (worker pool) or 'remote' (SandboxFusion HTTP API).",
-                  "choices": list(_SANDBOX_BACKENDS)},
+        metadata={
+            "help": "Code execution backend: 'local' (worker pool) or 'remote' (SandboxFusion HTTP API).",
+            "choices": list(_SANDBOX_BACKENDS),
+        },
     )
     sandbox_workers: int | None = field(
         default=None, metadata={"help": "Local sandbox pool size (default: the number of CPUs)."}
@@ -145,8 +147,10 @@ class ReToolConfig(GRPOConfig):
     sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})
     sandbox_allow_root_without_isolation: bool = field(
         default=False,
-        metadata={"help": "Local sandbox: as root, run code even when bubblewrap does not work (cells then see the "
-                          "host file system). Off by default: the sandbox refuses and says how to fix it."},
+        metadata={
+            "help": "Local sandbox: as root, run code even when bubblewrap does not work (cells then see the "
+            "host file system). Off by default: the sandbox refuses and says how to fix it."
+        },
     )
     sandbox_url: str | None = field(
         default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}

@@ -46,8 +46,10 @@ class EvalReport:
     def to_dict(self) -> dict:
         by_problem: dict[int, dict] = {}
         for r in self.records:
-            entry = by_problem.setdefault(r["problem"], {"index": r["problem"], "answer": r["answer"], "correct": [],
-                                                         "predictions": [], "num_tool_calls": []})
+            entry = by_problem.setdefault(
+                r["problem"],
+                {"index": r["problem"], "answer": r["answer"], "correct": [], "predictions": [], "num_tool_calls": []},
+            )
             entry["correct"].append(r["correct"])
             entry["predictions"].append(r["prediction"])
             entry["num_tool_calls"].append(r["num_tool_calls"])
@@ -93,7 +95,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def score_rollout(result, answers: Sequence[str], tags: Tags = Tags(), eos_token_ids: Sequence[int] = ()) -> list[dict]:
+def score_rollout(
+    result, answers: Sequence[str], tags: Tags = Tags(), eos_token_ids: Sequence[int] = ()
+) -> list[dict]:
     """Scores each completion of a `RolloutResult` against its gold answer.
 
     Args:
@@ -110,16 +114,18 @@ def score_rollout(result, answers: Sequence[str], tags: Tags = Tags(), eos_token
     for i, answer in enumerate(answers):
         ids, mask = result.completion_ids[i], result.interpreter_mask[i]
         prediction = final_answer("", result.model_text[i], tags)
-        records.append({
-            "answer": answer,
-            "prediction": prediction,
-            "correct": bool(is_equivalent(prediction, answer)),
-            "num_tool_calls": int(result.num_tool_calls[i]),
-            "num_tool_errors": int(result.num_tool_errors[i]),
-            "length": len(ids),
-            "model_tokens": int(sum(mask)),
-            "truncated": not ids or ids[-1] not in set(eos_token_ids),
-        })
+        records.append(
+            {
+                "answer": answer,
+                "prediction": prediction,
+                "correct": bool(is_equivalent(prediction, answer)),
+                "num_tool_calls": int(result.num_tool_calls[i]),
+                "num_tool_errors": int(result.num_tool_errors[i]),
+                "length": len(ids),
+                "model_tokens": int(sum(mask)),
+                "truncated": not ids or ids[-1] not in set(eos_token_ids),
+            }
+        )
     return records
 
 
@@ -148,8 +154,9 @@ def compute_metrics(records: Sequence[dict], num_samples: int) -> dict[str, floa
     }
 
 
-def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: int = 16, sandbox=None,
-             progress: bool = True) -> EvalReport:
+def evaluate(
+    model, tokenizer, dataset, args, num_samples: int = 1, batch_size: int = 16, sandbox=None, progress: bool = True
+) -> EvalReport:
     """Samples `num_samples` completions per problem with the interpreter and scores them.
 
     Args:
@@ -179,12 +186,12 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             with torch.no_grad():
-                result = generate_with_interpreter(model, tokenizer, [prompts[p] for p, _ in chunk], args,
-                                                   sandbox=sandbox, batch_size=batch_size)
+                result = generate_with_interpreter(
+                    model, tokenizer, [prompts[p] for p, _ in chunk], args, sandbox=sandbox, batch_size=batch_size
+                )
             scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, eos_token_ids_of(model, tokenizer))
             for (p, s), record, ids in zip(chunk, scored, result.completion_ids):
-                record.update(problem=p, sample=s,
-                              completion=tokenizer.decode(ids, skip_special_tokens=True))
+                record.update(problem=p, sample=s, completion=tokenizer.decode(ids, skip_special_tokens=True))
                 records.append(record)
             bar.update(len(chunk))
     finally:
@@ -193,9 +200,13 @@ def evaluate(model, tokenizer, dataset, args, num_samples: int = 1, batch_size: 
             sandbox.close()
     meta = {
         "settings": {
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "max_completion_length": args.max_completion_length, "max_tool_calls": args.max_tool_calls,
-            "system_prompt": args.system_prompt, "seed": args.seed,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "max_completion_length": args.max_completion_length,
+            "max_tool_calls": args.max_tool_calls,
+            "system_prompt": args.system_prompt,
+            "seed": args.seed,
         }
     }
     return EvalReport(compute_metrics(records, num_samples), len(prompts), num_samples, records, meta)

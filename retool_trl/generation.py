@@ -24,6 +24,7 @@ except ImportError:  # older transformers 5.x
     def is_fsdp_managed_module(module) -> bool:
         return getattr(module, "_is_fsdp_managed_module", False)
 
+
 from .types import TurnOutput
 
 # transformers 5.2x renamed `generate(past_key_values=...)` and `output.past_key_values` to `cache` (the old names go
@@ -169,8 +170,13 @@ class TransformersBackend:
         if not sequences:  # done here but not on other processes: take part in their synced forward passes
             self.finish()
             one = torch.tensor([[self.pad_token_id]], device=device)
-            self.model.generate(input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=1,
-                                generation_config=self.generation_config, synced_gpus=True)
+            self.model.generate(
+                input_ids=one,
+                attention_mask=torch.ones_like(one),
+                max_new_tokens=1,
+                generation_config=self.generation_config,
+                synced_gpus=True,
+            )
             return []
         input_ids, attention_mask, cache = self._batch(sequences, device)
         width = input_ids.shape[1]
@@ -215,8 +221,9 @@ class TransformersBackend:
             self.finish()
             return
         steps = ids.shape[1] - attention_mask.shape[1]
-        generated = torch.arange(steps, device=ids.device).unsqueeze(0) < torch.tensor(lengths, device=ids.device)[:, None]
+        generated = (
+            torch.arange(steps, device=ids.device).unsqueeze(0) < torch.tensor(lengths, device=ids.device)[:, None]
+        )
         self._cache, self._ids = cache, ids
         self._mask = torch.cat([attention_mask, generated.long()], dim=1)  # tokens after a row's stop are padding
         self._sequences = [[*seq, *new] for seq, new in zip(sequences, new_tokens)]
-

@@ -42,8 +42,13 @@ def tokenize_prompts(tokenizer, prompts: Sequence, system_prompt: str | None = N
     if prompts and isinstance(prompts[0], list):
         ids = []
         for messages in with_system_prompt(list(prompts), system_prompt):
-            ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)))
+            ids.append(
+                list(
+                    tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
+            )
         return ids
     return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
 

@@ -36,8 +36,10 @@ def load_log_history(run: str | Path) -> list[dict]:
     path = Path(run)
     if path.is_dir():
         candidates = [path / "trainer_state.json"]
-        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
-                             if p.name.split("-")[-1].isdigit() else -1)
+        checkpoints = sorted(
+            path.glob("checkpoint-*"),
+            key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1,
+        )
         candidates += [c / "trainer_state.json" for c in reversed(checkpoints)]
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
@@ -115,8 +117,9 @@ def plot_log_history(
             if key == "reward":  # TRL logs the spread of rewards alongside their mean
                 _, std = _series(log_history, "reward_std")
                 if len(std) == len(values):
-                    ax.fill_between(steps, [v - s for v, s in zip(values, std)],
-                                    [v + s for v, s in zip(values, std)], alpha=0.2)
+                    ax.fill_between(
+                        steps, [v - s for v, s in zip(values, std)], [v + s for v, s in zip(values, std)], alpha=0.2
+                    )
         eval_steps, eval_values = _series(log_history, f"eval_{key}")
         if eval_values:
             ax.plot(eval_steps, eval_values, "o--", label="eval", markersize=4)
@@ -125,7 +128,7 @@ def plot_log_history(
         ax.grid(alpha=0.3)
         if values and eval_values:
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
@@ -154,7 +157,9 @@ ARITHMETIC_PANELS = (
 
 
 def plot_comparison(
-    histories: dict[str, list[dict]], output: str | Path, evals: dict[str, dict] | None = None,
+    histories: dict[str, list[dict]],
+    output: str | Path,
+    evals: dict[str, dict] | None = None,
     panels=ARITHMETIC_PANELS,
 ) -> Path:
     """Training metrics over GRPO steps, one panel per metric and one line per run, as a PNG.
@@ -175,8 +180,11 @@ def plot_comparison(
         points = [(h["step"], transform(h[key])) for h in history if isinstance(h.get(key), (int, float))]
         return [p[0] for p in points], [p[1] for p in points]
 
-    held_out = {"rewards/": "accuracy", "retool/calls_per_completion": "calls_per_completion",
-                "retool/recovery_rate": "recovery_rate"}
+    held_out = {
+        "rewards/": "accuracy",
+        "retool/calls_per_completion": "calls_per_completion",
+        "retool/recovery_rate": "recovery_rate",
+    }
     fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.2))
     for ax, (title, key, transform) in zip(axes, panels):
         for index, (name, history) in enumerate(histories.items()):
@@ -186,8 +194,15 @@ def plot_comparison(
             metric = next((m for prefix, m in held_out.items() if key.startswith(prefix)), None)
             if evals and metric and name in evals and evals[name].get(f"{metric}_before") is not None:
                 last = max((h.get("step", 0) for h in history), default=0)
-                ax.plot([0, last], [evals[name][f"{metric}_before"], evals[name].get(f"{metric}_after")], "o--",
-                        color=f"C{index}", alpha=0.6, markersize=5, label=f"{name} held-out")
+                ax.plot(
+                    [0, last],
+                    [evals[name][f"{metric}_before"], evals[name].get(f"{metric}_after")],
+                    "o--",
+                    color=f"C{index}",
+                    alpha=0.6,
+                    markersize=5,
+                    label=f"{name} held-out",
+                )
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
@@ -205,5 +220,10 @@ def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequenc
 
 
 __all__ = [
-    "DEFAULT_METRICS", "available_metrics", "load_log_history", "plot_comparison", "plot_log_history", "plot_run"
+    "DEFAULT_METRICS",
+    "available_metrics",
+    "load_log_history",
+    "plot_comparison",
+    "plot_log_history",
+    "plot_run",
 ]

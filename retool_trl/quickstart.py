@@ -14,14 +14,14 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-# Re-exported: the quickstart model is built with them (scripts/build_quickstart_model.py).
-from .tiny import build_char_tokenizer, build_tiny_model  # noqa: F401
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .plotting import ARITHMETIC_PANELS, plot_comparison
 
-QUICKSTART_MODEL_DIR = Path(__file__).parent / "assets" / "quickstart_model"
+# Re-exported: the quickstart model is built with them (scripts/build_quickstart_model.py).
+from .tiny import build_char_tokenizer, build_tiny_model  # noqa: F401
 
+QUICKSTART_MODEL_DIR = Path(__file__).parent / "assets" / "quickstart_model"
 
 
 def model_path() -> str:
@@ -51,9 +51,7 @@ class QuickstartTask:
     sft_difficulties: list[int] = field(
         default_factory=lambda: [2], metadata={"help": "Difficulty levels covered by the cold-start traces."}
     )
-    kinds: list[str] = field(
-        default_factory=lambda: ["product", "sum", "mod"], metadata={"help": "Problem kinds."}
-    )
+    kinds: list[str] = field(default_factory=lambda: ["product", "sum", "mod"], metadata={"help": "Problem kinds."})
     test_fraction: float = field(default=0.2, metadata={"help": "Share of problems held out for evaluation."})
     code_fraction: float = field(default=0.7, metadata={"help": "Share of cold-start traces that call code."})
 
@@ -229,8 +227,16 @@ class CompactProgressCallback(ProgressCallback):
 
 
 def train_run(
-    name: str, args: QuickstartArguments, start: str, tokenizer, splits, sandbox, out: Path, with_tools=None,
-    reward_funcs=None, **overrides
+    name: str,
+    args: QuickstartArguments,
+    start: str,
+    tokenizer,
+    splits,
+    sandbox,
+    out: Path,
+    with_tools=None,
+    reward_funcs=None,
+    **overrides,
 ) -> dict:
     """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
 
@@ -272,14 +278,16 @@ def _table(summary: dict) -> str:
     rows = [("run", "acc before", "acc after", "code ratio before -> after", "mean length after", "train time")]
     for name in RUNS:
         r = summary[name]
-        rows.append((
-            name,
-            f"{r['accuracy_before']:.1%}",
-            f"{r['accuracy_after']:.1%}",
-            f"{r['code_ratio_before']:.1%} -> {r['code_ratio_after']:.1%}",
-            f"{r['mean_length_after']:.1f}",
-            f"{r['train_s']:.0f} s",
-        ))
+        rows.append(
+            (
+                name,
+                f"{r['accuracy_before']:.1%}",
+                f"{r['accuracy_after']:.1%}",
+                f"{r['code_ratio_before']:.1%} -> {r['code_ratio_after']:.1%}",
+                f"{r['mean_length_after']:.1f}",
+                f"{r['train_s']:.0f} s",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
@@ -302,8 +310,14 @@ def _arithmetic_plan(args: QuickstartArguments) -> TaskPlan:
     from .data.synthetic import make_splits
 
     task = QuickstartTask()
-    splits = make_splits(args.num_train, args.num_eval, seed=args.seed, difficulty=task.difficulty,
-                         kinds=task.kinds, test_fraction=task.test_fraction)
+    splits = make_splits(
+        args.num_train,
+        args.num_eval,
+        seed=args.seed,
+        difficulty=task.difficulty,
+        kinds=task.kinds,
+        test_fraction=task.test_fraction,
+    )
     return TaskPlan(task, args.model or model_path(), splits)
 
 
@@ -347,8 +361,10 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        results = {name: train_run(name, args, start, tokenizer, plan.splits, sandbox, out, **plan.run_kwargs)
-                   for name in RUNS}
+        results = {
+            name: train_run(name, args, start, tokenizer, plan.splits, sandbox, out, **plan.run_kwargs)
+            for name in RUNS
+        }
     finally:
         torch.set_num_threads(threads)
         sandbox.close()
@@ -381,11 +397,17 @@ def main(argv: list[str] | None = None) -> int:
 
     for f in fields(QuickstartArguments):
         kind = {"int": int, "float": float}.get(str(f.type), str)
-        default = f"{f.default}" + (f"; multiturn: {MULTITURN_DEFAULTS[f.name]}" if f.name in MULTITURN_DEFAULTS else "")
+        default = f"{f.default}" + (
+            f"; multiturn: {MULTITURN_DEFAULTS[f.name]}" if f.name in MULTITURN_DEFAULTS else ""
+        )
         # No argparse defaults: an unset option takes the task's default (see `run_quickstart`).
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
-                            choices=TASKS if f.name == "task" else None,
-                            help=f"{f.metadata['help']} (default: {default})")
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            choices=TASKS if f.name == "task" else None,
+            help=f"{f.metadata['help']} (default: {default})",
+        )
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     try:
         defaults = MULTITURN_DEFAULTS if options.get("task") == "multiturn" else {}

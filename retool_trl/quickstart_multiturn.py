@@ -93,8 +93,13 @@ class CellBudgetSandbox:
             result = next(ran) if k in allowed else refused
             if not result.ok and not result.infra_error and k in allowed:
                 lines = [line for line in result.output.splitlines() if line.strip()]
-                result = ExecResult(f"{lines[-1].strip()}\n" if lines else "", result.ok, result.timed_out,
-                                    result.duration_s, result.infra_error)
+                result = ExecResult(
+                    f"{lines[-1].strip()}\n" if lines else "",
+                    result.ok,
+                    result.timed_out,
+                    result.duration_s,
+                    result.infra_error,
+                )
             results.append(result)
         return results
 
@@ -185,17 +190,28 @@ def multiturn_table(summary: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{value:.1%}"
 
-    rows = [("run", "accuracy before -> after", "calls/completion before -> after",
-             "recovery before -> after (failing completions)", "train time")]
+    rows = [
+        (
+            "run",
+            "accuracy before -> after",
+            "calls/completion before -> after",
+            "recovery before -> after (failing completions)",
+            "train time",
+        )
+    ]
     for name in ("tool_rl", "text_rl"):
         r = summary[name]
-        rows.append((
-            name,
-            f"{pct(r['accuracy_before'])} -> {pct(r['accuracy_after'])}",
-            f"{r['calls_per_completion_before']:.2f} -> {r['calls_per_completion_after']:.2f}",
-            (f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
-             f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})"),
-            f"{r['train_s']:.0f} s",
-        ))
+        rows.append(
+            (
+                name,
+                f"{pct(r['accuracy_before'])} -> {pct(r['accuracy_after'])}",
+                f"{r['calls_per_completion_before']:.2f} -> {r['calls_per_completion_after']:.2f}",
+                (
+                    f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
+                    f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})"
+                ),
+                f"{r['train_s']:.0f} s",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)

@@ -255,7 +255,9 @@ def interpreter_blocks(tokenizer, outputs: list[str], spec: RolloutSpec) -> list
         truncate_output(clean_output(output, tags), spec.max_interpreter_output_chars, spec.interpreter_truncation)
         for output in outputs
     ]
-    start, end = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (tags.interpreter_start, tags.interpreter_end))
+    start, end = (
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in (tags.interpreter_start, tags.interpreter_end)
+    )
     encoded = tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return [[*start, *body, *end] for body in encoded]
 
@@ -267,7 +269,9 @@ def _run_many(sandbox, pairs) -> list[ExecResult]:
     except Exception as exc:  # the sandbox itself failed: not the model's fault, and training must go on
         message = f"SandboxError: {type(exc).__name__}: {exc}"
         elapsed = time.perf_counter() - started
-        return [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)] * len(pairs)
+        return [ExecResult(output=message, ok=False, timed_out=False, duration_s=elapsed, infra_error=True)] * len(
+            pairs
+        )
 
 
 def run_cells(sandbox, pending: Sequence[tuple[_Row, str]]) -> list[ExecResult]:

@@ -76,7 +76,9 @@ def _chat_parts(tokenizer, messages: list[dict], completion: str, chat_template_
     prompt_ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
     )["input_ids"]
-    prefix = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+    prefix = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
+    )
     full = tokenizer.apply_chat_template(
         messages + [{"role": "assistant", "content": completion}], tokenize=False, **chat_template_kwargs
     )

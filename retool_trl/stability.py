@@ -13,9 +13,7 @@ from collections.abc import Sequence
 from .rollout import RolloutResult
 
 
-def resample_on_correct(
-    correct: Sequence[bool], problems: Sequence[int], keep: int, rng: random.Random
-) -> list[int]:
+def resample_on_correct(correct: Sequence[bool], problems: Sequence[int], keep: int, rng: random.Random) -> list[int]:
     """Indices (sorted) of the `keep` completions of one over-sampled group to train on.
 
     Args:

@@ -52,7 +52,9 @@ class ReToolTrainer(GRPOTrainer):
             raise TypeError(f"ReToolTrainer needs `args` to be a ReToolConfig, got {type(args).__name__}.")
         for conflicting in ("rollout_func", "tools", "environment_factory"):
             if kwargs.get(conflicting) is not None:
-                raise ValueError(f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported.")
+                raise ValueError(
+                    f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported."
+                )
         reward_funcs = _with_shaping(reward_funcs if reward_funcs is not None else [boxed_accuracy], args)
         datasets = [kwargs.get("train_dataset"), kwargs.get("eval_dataset"), *pos[:2]]  # by keyword or position
         _check_answer_column(reward_funcs, *datasets)
@@ -100,7 +102,11 @@ class ReToolTrainer(GRPOTrainer):
             # requests (the server batches them), so no collective call is needed. Weights were synced by TRL.
             with profiling_context(self, "vLLM.async_rollout"):
                 return async_rollout(
-                    prompt_ids, self._make_async_engine(), self.sandbox, self._tokenizer, spec,
+                    prompt_ids,
+                    self._make_async_engine(),
+                    self.sandbox,
+                    self._tokenizer,
+                    spec,
                     self.args.rollout_concurrency,
                 )
         if self.use_vllm:  # TRL's `_generate` already synced the weights before calling the rollout
@@ -112,13 +118,16 @@ class ReToolTrainer(GRPOTrainer):
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
             )
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
-        with unwrap_model_for_generation(
-            self.model_wrapped,
-            self.accelerator,
-            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-            generation_kwargs=self.generation_kwargs,
-            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-        ) as unwrapped_model, self._dist.summon_full_params(self.model_wrapped, recurse=False):
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
             backend = self._make_generation_backend(unwrapped_model)
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
 
@@ -172,9 +181,11 @@ class ReToolTrainer(GRPOTrainer):
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
         metrics = rollout_metrics(result, self.accelerator.gather)
-        metrics["retool/dropped_from_loss_ratio"] = self.accelerator.gather(
-            torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device)
-        ).mean().item()
+        metrics["retool/dropped_from_loss_ratio"] = (
+            self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
+            .mean()
+            .item()
+        )
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
@@ -226,7 +237,7 @@ def _check_answer_column(reward_funcs, *datasets) -> None:
     if not needing:
         return
     for dataset in datasets:
-        for split, data in (dataset.items() if isinstance(dataset, dict) else [(None, dataset)]):
+        for split, data in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
             columns = getattr(data, "column_names", None)
             if columns is not None and "answer" not in columns:
                 where = "a dataset" if split is None else f"the eval dataset {split!r}"

@@ -11,7 +11,6 @@ CPU platform, whose linear layers are repacked after loading and no longer accep
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
 
 import torch
 

@@ -49,8 +49,9 @@ TOOL_CALL = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'
 
 # ----------------------------------------------------------------------------------------------------- the model
 def build_model(path: Path):
-    """A tiny random Qwen2 (head size 64: vLLM's CPU attention kernels need one of its supported sizes) whose tokenizer is the quickstart's byte-level BPE plus the Qwen3 chat template (TRL's
-    bundled copy, which TRL's tool loop knows how to parse) and that template's special tokens."""
+    """A tiny random Qwen2 (head size 64: vLLM's CPU attention kernels need one of their supported sizes) whose
+    tokenizer is the quickstart's byte-level BPE plus the Qwen3 chat template (TRL's bundled copy, which TRL's tool
+    loop knows how to parse) and that template's special tokens."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     from trl.chat_template_utils import qwen3_chat_template
@@ -58,16 +59,33 @@ def build_model(path: Path):
     from retool_trl.quickstart import model_path
 
     tokenizer = AutoTokenizer.from_pretrained(model_path())
-    specials = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                "<think>", "</think>"]
+    specials = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    ]
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.chat_template = qwen3_chat_template
     tokenizer.eos_token = "<|im_end|>"
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return tokenizer
@@ -81,9 +99,21 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, str(Path(__file__).with_name("vllm_serve.py")), "--model", str(model), "--host",
-                   "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce_eager", "--max_model_len",
-                   "2048"]
+        command = [
+            sys.executable,
+            str(Path(__file__).with_name("vllm_serve.py")),
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce_eager",
+            "--max_model_len",
+            "2048",
+        ]
         self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 600
@@ -120,14 +150,18 @@ def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool =
     rows = []
     for i in range(batch):
         n_calls = calls or CALLS[i % len(CALLS)]
-        latencies = [rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(n_calls)]
+        latencies = [
+            rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01) for _ in range(n_calls)
+        ]
         cell = f"<code>work({i})</code>"
         if prose:
             code_turn = "Let me check this part " * rng.randint(0, 6) + cell
         else:
             code_turn = "I call the tool for this piece now." + cell  # as many characters as TOOL_CALL
         # The last turn: an answer of varying length, which the regex ends with EOS.
-        answer = "So " + "the checks agree and " * (rng.randint(0, 3) if prose else 0) + f"the answer is \\boxed{{{i}}}."
+        answer = (
+            "So " + "the checks agree and " * (rng.randint(0, 3) if prose else 0) + f"the answer is \\boxed{{{i}}}."
+        )
         rows.append({"prompt": f"Problem {i:03d}:", "turns": [code_turn] * n_calls + [answer], "latencies": latencies})
     return rows
 
@@ -182,8 +216,12 @@ class BarrierOverEngine:
 
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
         async def all_rows():
-            return await asyncio.gather(*(self.engine.generate(list(s), n, stop)
-                                          for s, n, stop in zip(sequences, max_new_tokens, stop_at_code_end)))
+            return await asyncio.gather(
+                *(
+                    self.engine.generate(list(s), n, stop)
+                    for s, n, stop in zip(sequences, max_new_tokens, stop_at_code_end)
+                )
+            )
 
         return self.loop.run_until_complete(all_rows())
 
@@ -195,8 +233,12 @@ class BarrierOverEngine:
 def retool_modes(url, tokenizer, workload, max_len):
     prompts = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in workload]
     assert len({tuple(p) for p in prompts}) == len(prompts) and len({len(p) for p in prompts}) == 1
-    spec = RolloutSpec(max_completion_length=max_len, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=4,
-                       max_interpreter_output_chars=256)
+    spec = RolloutSpec(
+        max_completion_length=max_len,
+        eos_token_ids=[tokenizer.eos_token_id],
+        max_tool_calls=4,
+        max_interpreter_output_chars=256,
+    )
 
     def engine():
         scripts = {tuple(p): row["turns"] for p, row in zip(prompts, workload)}
@@ -250,14 +292,28 @@ def trl_tools(url, model_dir, workload, max_len):
     per_row = sorted({len(row["latencies"]) for row in workload})
     assert len(per_row) == 1, "TRL's loop gives every completion the same number of calls"
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-        per_device_train_batch_size=len(workload), num_generations=len(workload), max_completion_length=max_len,
-        temperature=1.0, generation_kwargs={"structured_outputs": {"regex": re.escape(TOOL_CALL)}},  # n>1: sampled
-        max_tool_calling_iterations=per_row[0], report_to="none", use_cpu=True, bf16=False,
+        output_dir=tempfile.mkdtemp(),
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        per_device_train_batch_size=len(workload),
+        num_generations=len(workload),
+        max_completion_length=max_len,
+        temperature=1.0,
+        generation_kwargs={"structured_outputs": {"regex": re.escape(TOOL_CALL)}},  # n>1: sampled
+        max_tool_calling_iterations=per_row[0],
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Work."}]}] * len(workload))
-    trainer = GRPOTrainer(str(model_dir), reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=args, train_dataset=dataset, tools=[work])
+    trainer = GRPOTrainer(
+        str(model_dir),
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=args,
+        train_dataset=dataset,
+        tools=[work],
+    )
     trainer._last_loaded_step = trainer.state.global_step  # nothing to sync
     # The per-rollout tool tables that `_generate_and_score_completions` builds before calling `_generate`.
     trainer._sync_tool_dicts = [{"work": work} for _ in workload]
@@ -285,9 +341,11 @@ def main():
         try:
             workload = make_workload(args.batch, args.seed)
             results, seconds, client_cpu = retool_modes(server.url, tokenizer, workload, args.max_len)
-            same = (results["async"].completion_ids == results["barrier"].completion_ids
-                    and results["async"].interpreter_mask == results["barrier"].interpreter_mask
-                    and results["async"].extra_fields() == results["barrier"].extra_fields())
+            same = (
+                results["async"].completion_ids == results["barrier"].completion_ids
+                and results["async"].interpreter_mask == results["barrier"].interpreter_mask
+                and results["async"].extra_fields() == results["barrier"].extra_fields()
+            )
             calls = sum(results["async"].num_tool_calls)
             tokens = sum(len(ids) for ids in results["async"].completion_ids)
             trl = None
@@ -296,12 +354,16 @@ def main():
                 fixed = make_workload(args.batch, args.seed + 1, calls=3, prose=False)
                 trl_seconds, trl_tokens, trl_sampled = trl_tools(server.url, model_dir, fixed, args.max_len)
                 ours, ours_seconds, _ = retool_modes(server.url, tokenizer, fixed, args.max_len)
-                trl = {"trl_seconds": trl_seconds, "ours_seconds": ours_seconds["async"], "calls": 3 * len(fixed),
-                       "ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
-                       "ours_sampled_tokens": sum(sum(mask) for mask in ours["async"].interpreter_mask),
-                       "trl_sampled_tokens": trl_sampled,
-                       "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
-                       "trl_tokens": trl_tokens}
+                trl = {
+                    "trl_seconds": trl_seconds,
+                    "ours_seconds": ours_seconds["async"],
+                    "calls": 3 * len(fixed),
+                    "ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
+                    "ours_sampled_tokens": sum(sum(mask) for mask in ours["async"].interpreter_mask),
+                    "trl_sampled_tokens": trl_sampled,
+                    "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
+                    "trl_tokens": trl_tokens,
+                }
         finally:
             server.stop()
 
@@ -324,7 +386,9 @@ def main():
     if trl is not None:
         summary["trl_tools_vs_retool"] = trl["trl_seconds"] / trl["ours_seconds"]
         summary.update({f"trl_{k}" if not k.startswith("trl") else k: v for k, v in trl.items()})
-        print(f"{'TRL tools= loop (3 calls each)':<40}{trl['trl_seconds']:>10.2f}{summary['trl_tools_vs_retool']:>10.2f}")
+        print(
+            f"{'TRL tools= loop (3 calls each)':<40}{trl['trl_seconds']:>10.2f}{summary['trl_tools_vs_retool']:>10.2f}"
+        )
         print(f"{'ReTool async (3 calls each)':<40}{trl['ours_seconds']:>10.2f}{1.0:>10.2f}")
     print(f"B={args.batch}, {calls} calls, {tokens} completion tokens, same outputs: {summary['same_outputs']}")
     if args.json:

@@ -146,8 +146,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="training steps per trainer in the step benchmark")
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
-    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
-                        help="vllm: the rollout through a real vLLM engine against vLLM's plain generate")
+    parser.add_argument(
+        "--backend",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="vllm: the rollout through a real vLLM engine against vLLM's plain generate",
+    )
     args = parser.parse_args()
     if args.backend == "vllm":
         from bench_vllm_rollout import bench_vllm

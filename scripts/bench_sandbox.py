@@ -111,8 +111,10 @@ def bench_jail_startup(preload: tuple[str, ...], workers: int, runs: int) -> dic
             t = time.perf_counter()
             subprocess.run(argv, capture_output=True, check=True, timeout=120, env=clean_env())
             fresh.append(time.perf_counter() - t)
-    return {"forked_jail_first_call_ms": percentile(forked, 0.5) * 1000.0,
-            "fresh_bwrap_interpreter_ms": percentile(fresh, 0.5) * 1000.0 if fresh else None}
+    return {
+        "forked_jail_first_call_ms": percentile(forked, 0.5) * 1000.0,
+        "fresh_bwrap_interpreter_ms": percentile(fresh, 0.5) * 1000.0 if fresh else None,
+    }
 
 
 def main() -> None:
@@ -120,14 +122,27 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
     parser.add_argument("--baseline-calls", type=int, default=60)
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--spares", type=int, default=None,
-                        help="jails kept pre-started (default: --sessions, one rollout batch)")
-    parser.add_argument("--idle", type=float, default=5.0,
-                        help="seconds of 'generation' before the throughput rounds, when jails are pre-started")
-    parser.add_argument("--preload", default="default",
-                        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list")
-    parser.add_argument("--jail-startup", type=int, default=0, metavar="RUNS",
-                        help="also compare a forked jail with a fresh bubblewrap + interpreter per session")
+    parser.add_argument(
+        "--spares", type=int, default=None, help="jails kept pre-started (default: --sessions, one rollout batch)"
+    )
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=5.0,
+        help="seconds of 'generation' before the throughput rounds, when jails are pre-started",
+    )
+    parser.add_argument(
+        "--preload",
+        default="default",
+        help="modules the zygote imports: 'default' (numpy, sympy, ...), 'none', or a comma list",
+    )
+    parser.add_argument(
+        "--jail-startup",
+        type=int,
+        default=0,
+        metavar="RUNS",
+        help="also compare a forked jail with a fresh bubblewrap + interpreter per session",
+    )
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = parser.parse_args()
 
@@ -159,24 +174,41 @@ def main() -> None:
     row["speedup_p50"] = row["baseline_p50_ms"] / row["p50_ms"]
     row["speedup_p99"] = row["baseline_p99_ms"] / row["p99_ms"]
     row["throughput_ratio"] = row["throughput_per_s"] / row["baseline_throughput_per_s"]
-    row.update(sessions=args.sessions, workers=workers, spares=spares, idle_s=args.idle, isolation=isolation,
-               startup_s=startup_s, cpu_count=os.cpu_count(), preload=args.preload, load_avg_1m=os.getloadavg()[0])
+    row.update(
+        sessions=args.sessions,
+        workers=workers,
+        spares=spares,
+        idle_s=args.idle,
+        isolation=isolation,
+        startup_s=startup_s,
+        cpu_count=os.cpu_count(),
+        preload=args.preload,
+        load_avg_1m=os.getloadavg()[0],
+    )
 
-    print(f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
-          f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"sandbox benchmark: {args.sessions} sessions x 3 calls, {workers} workers, isolation={isolation}, "
+        f"preload={args.preload}, zygote start {startup_s * 1000:.0f} ms (once), "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print(f"{'':28s}{'p50 ms':>10s}{'p99 ms':>10s}{'snippets/s':>12s}")
     print(f"{'pool, first calls':28s}{row['first_call_p50_ms']:10.2f}{row['first_call_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, follow-up calls':28s}{row['followup_p50_ms']:10.2f}{row['followup_p99_ms']:10.2f}{'':>12s}")
     print(f"{'pool, all calls':28s}{row['p50_ms']:10.2f}{row['p99_ms']:10.2f}{row['throughput_per_s']:12.0f}")
-    print(f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
-          f"{row['baseline_throughput_per_s']:12.0f}")
-    print(f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
-          f"{row['throughput_ratio']:11.1f}x")
+    print(
+        f"{'baseline python -I -S -c':28s}{row['baseline_p50_ms']:10.2f}{row['baseline_p99_ms']:10.2f}"
+        f"{row['baseline_throughput_per_s']:12.0f}"
+    )
+    print(
+        f"{'ratio (baseline / pool)':28s}{row['speedup_p50']:9.1f}x{row['speedup_p99']:9.1f}x"
+        f"{row['throughput_ratio']:11.1f}x"
+    )
     if args.jail_startup:
         row.update(bench_jail_startup(preload, workers, args.jail_startup))
-        print(f"jail per session: forked from the zygote, first call {row['forked_jail_first_call_ms']:.1f} ms; "
-              f"fresh bubblewrap + interpreter {row['fresh_bwrap_interpreter_ms'] or float('nan'):.1f} ms")
+        print(
+            f"jail per session: forked from the zygote, first call {row['forked_jail_first_call_ms']:.1f} ms; "
+            f"fresh bubblewrap + interpreter {row['fresh_bwrap_interpreter_ms'] or float('nan'):.1f} ms"
+        )
     targets = [
         ("p50 >= 20x lower than baseline", row["speedup_p50"] >= 20),
         ("p99 <= 20 ms", row["p99_ms"] <= 20),

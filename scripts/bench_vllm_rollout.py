@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -59,14 +57,29 @@ def bench_vllm(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     dataset = make_arithmetic_dataset(args.batch, seed=3)
     config = ReToolConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_vllm_"), per_device_train_batch_size=8, num_generations=8,
-        max_completion_length=64, max_tool_calls=2, max_interpreter_output_chars=64, system_prompt="none",
-        report_to="none", use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512,
+        output_dir=tempfile.mkdtemp(prefix="bench_vllm_"),
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=64,
+        max_tool_calls=2,
+        max_interpreter_output_chars=64,
+        system_prompt="none",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=512,
         disable_tqdm=True,
     )
     started = time.perf_counter()
-    trainer = ReToolTrainer(model_path(), args=config, train_dataset=dataset, processing_class=tokenizer,
-                            sandbox=LocalSandbox(num_workers=2, timeout_s=5.0))
+    trainer = ReToolTrainer(
+        model_path(),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        sandbox=LocalSandbox(num_workers=2, timeout_s=5.0),
+    )
     engine_start_s = time.perf_counter() - started
     helper, sandbox = trainer.vllm_generation, trainer.sandbox
     helper.temperature = 0.0  # greedy: every repeat makes the same tokens
@@ -87,8 +100,9 @@ def bench_vllm(args) -> None:
     def plain(counts=lengths):
         # `ignore_eos` with `max_tokens = n`: exactly n decoded tokens per row, in one call.
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, logprobs=0) for n in counts]
-        outputs = helper.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
-                                      use_tqdm=False)
+        outputs = helper.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
+        )
         return [len(o.outputs[0].token_ids) for o in outputs]
 
     assert plain() == lengths, "plain generate made a different number of tokens"
@@ -117,35 +131,45 @@ def bench_vllm(args) -> None:
     tokens, interp = sum(lengths), sum(len(m) - sum(m) for m in result.interpreter_mask)
     calls, turns, engine_calls = sum(result.num_tool_calls), max(result.num_turns), result.engine_calls[0]
 
-    print(f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch}, {tokens} "
-          f"tokens ({interp} interpreter), {calls} code calls, {turns} turns, {engine_calls} engine calls, "
-          f"median of {args.repeats}")
+    print(
+        f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch}, {tokens} "
+        f"tokens ({interp} interpreter), {calls} code calls, {turns} turns, {engine_calls} engine calls, "
+        f"median of {args.repeats}"
+    )
     print(f"{'generator':<48}{'wall s':>10}{'x plain':>10}")
     print(f"{'vLLM plain generate (same tokens, one call)':<48}{plain_s:>10.3f}{1.0:>10.2f}")
-    print(f"{'vLLM plain generate (sampled tokens only)':<48}{plain_sampled_s:>10.3f}{plain_sampled_s / plain_s:>10.2f}")
+    print(
+        f"{'vLLM plain generate (sampled tokens only)':<48}{plain_sampled_s:>10.3f}{plain_sampled_s / plain_s:>10.2f}"
+    )
     print(f"{'ReTool interleaved rollout through vLLM':<48}{rollout_s:>10.3f}{rollout_s / plain_s:>10.2f}")
-    print(f"  of which engine calls: {engine_med:.3f} s, sandbox: {sandbox_med:.3f} s, "
-          f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s")
+    print(
+        f"  of which engine calls: {engine_med:.3f} s, sandbox: {sandbox_med:.3f} s, "
+        f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s"
+    )
     print(f"engine start (colocated LLM load, once per training run): {engine_start_s:.1f} s")
     if args.json:
-        print(json.dumps({
-            "vllm_rollout_vs_generate": round(rollout_s / plain_s, 4),
-            "vllm_rollout_vs_generate_sampled": round(rollout_s / plain_sampled_s, 4),
-            "rollout_s": round(rollout_s, 4),
-            "plain_generate_sampled_s": round(plain_sampled_s, 4),
-            "plain_generate_s": round(plain_s, 4),
-            "engine_calls_s": round(engine_med, 4),
-            "sandbox_s": round(sandbox_med, 4),
-            "other_s": round(other_s, 4),
-            "engine_start_s": round(engine_start_s, 2),
-            "engine_calls": engine_calls,
-            "turns": turns,
-            "tool_calls": calls,
-            "tokens": tokens,
-            "interpreter_tokens": interp,
-            "batch": args.batch,
-            "mode": "colocate",
-        }))
+        print(
+            json.dumps(
+                {
+                    "vllm_rollout_vs_generate": round(rollout_s / plain_s, 4),
+                    "vllm_rollout_vs_generate_sampled": round(rollout_s / plain_sampled_s, 4),
+                    "rollout_s": round(rollout_s, 4),
+                    "plain_generate_sampled_s": round(plain_sampled_s, 4),
+                    "plain_generate_s": round(plain_s, 4),
+                    "engine_calls_s": round(engine_med, 4),
+                    "sandbox_s": round(sandbox_med, 4),
+                    "other_s": round(other_s, 4),
+                    "engine_start_s": round(engine_start_s, 2),
+                    "engine_calls": engine_calls,
+                    "turns": turns,
+                    "tool_calls": calls,
+                    "tokens": tokens,
+                    "interpreter_tokens": interp,
+                    "batch": args.batch,
+                    "mode": "colocate",
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

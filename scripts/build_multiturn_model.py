@@ -38,15 +38,20 @@ from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft  # noq
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default=str(MULTITURN_MODEL_DIR), help="Where the checkpoint is saved.")
-    parser.add_argument("--init-from", default=str(QUICKSTART_MODEL_DIR),
-                        help="Checkpoint to start from (default: the first quickstart's); 'none' for a fresh tiny model "
-                        "(a few times more steps needed before it copies interpreter output).")
+    parser.add_argument(
+        "--init-from",
+        default=str(QUICKSTART_MODEL_DIR),
+        help="Checkpoint to start from (default: the first quickstart's); 'none' for a fresh tiny model "
+        "(a few times more steps needed before it copies interpreter output).",
+    )
     parser.add_argument("--num-traces", type=int, default=19200, help="Synthetic SFT traces.")
     parser.add_argument("--max-steps", type=int, default=1200, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a shared 2-core machine).")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: fastest on a shared 2-core machine)."
+    )
     return parser.parse_args()
 
 
@@ -63,8 +68,10 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         if model.config.vocab_size != len(tokenizer):
-            raise SystemExit(f"--init-from {args.init_from}: vocabulary of {model.config.vocab_size} tokens, expected "
-                             f"the character tokenizer's {len(tokenizer)}.")
+            raise SystemExit(
+                f"--init-from {args.init_from}: vocabulary of {model.config.vocab_size} tokens, expected "
+                f"the character tokenizer's {len(tokenizer)}."
+            )
     print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
 
     traces = make_multiturn_sft_traces(
@@ -78,8 +85,10 @@ def main() -> None:
     dataset = build_sft_dataset(traces, tokenizer)
     stats = masked_token_stats(dataset)
     longest = max(len(ids) for ids in dataset["input_ids"])
-    print(f"traces: {len(dataset)} ({sum(f != '' for f in traces['failure']) / len(traces):.0%} with a failing cell), "
-          f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained, longest {longest} tokens")
+    print(
+        f"traces: {len(dataset)} ({sum(f != '' for f in traces['failure']) / len(traces):.0%} with a failing cell), "
+        f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained, longest {longest} tokens"
+    )
 
     with tempfile.TemporaryDirectory() as work_dir:
         sft_config = SFTConfig(
@@ -118,8 +127,10 @@ def main() -> None:
     build_info = {
         "task": asdict(task),
         "init_from": Path(args.init_from).name if args.init_from.lower() != "none" else None,
-        "model": {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                        "intermediate_size")},
+        "model": {
+            k: getattr(model.config, k)
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        },
         "num_traces": args.num_traces,
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,

@@ -31,10 +31,23 @@ def quickstart_dataset(n: int = 16, seed: int = 0):
 def engine_config(output_dir, **overrides) -> ReToolConfig:
     """The quickstart's settings, small: a few problems, short completions, one sandbox worker, float32 on CPU."""
     settings = dict(
-        output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=MAX_LEN, max_tool_calls=2, max_interpreter_output_chars=64, system_prompt="none",
-        sandbox_workers=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-        vllm_max_model_length=512, seed=0, disable_tqdm=True,
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=MAX_LEN,
+        max_tool_calls=2,
+        max_interpreter_output_chars=64,
+        system_prompt="none",
+        sandbox_workers=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        vllm_max_model_length=512,
+        seed=0,
+        disable_tqdm=True,
     )
     return ReToolConfig(**{**settings, **overrides})
 
@@ -57,8 +70,19 @@ class VLLMServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
         command = [
-            sys.executable, str(REPO / "scripts" / "vllm_serve.py"), "--model", model, "--host", "127.0.0.1",
-            "--port", str(self.port), "--dtype", "float32", "--enforce_eager", "--max_model_len", "512",
+            sys.executable,
+            str(REPO / "scripts" / "vllm_serve.py"),
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce_eager",
+            "--max_model_len",
+            "512",
         ]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() ends the server and the engine core it spawns, nothing else.

@@ -51,7 +51,11 @@ class ScriptedTrainer(ReToolTrainer):
     def _make_generation_backend(self, unwrapped_model):
         turns, tokenizer = self.forced_turns, self._tokenizer
         return TransformersBackend(
-            unwrapped_model, tokenizer, self.generation_config, self.args.code_end, self.eos_token_ids,
+            unwrapped_model,
+            tokenizer,
+            self.generation_config,
+            self.args.code_end,
+            self.eos_token_ids,
             logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer)]),
         )
 
@@ -88,16 +92,33 @@ def train_scripted(out_dir: Path, rank: int, world: int) -> dict:
         for p, s in zip(prompts, scripts)
     }
     args = ReToolConfig(
-        output_dir=str(out_dir / "run"), max_steps=1, per_device_train_batch_size=4 // world, num_generations=2,
-        max_completion_length=96, report_to="none", bf16=False, use_cpu=True, beta=0.0, logging_steps=1,
-        save_strategy="no", disable_tqdm=True, seed=0, shuffle_dataset=False,
+        output_dir=str(out_dir / "run"),
+        max_steps=1,
+        per_device_train_batch_size=4 // world,
+        num_generations=2,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
     )
     # With two processes rank r gets prompt r (TRL's sampler deals the groups out in order without shuffling):
     # rank 0's completions need three turns, rank 1's one. One process gets both.
     dataset = Dataset.from_list([{"prompt": p} for p in prompts])
     with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
-        trainer = ScriptedTrainer(str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                  args=args, train_dataset=dataset, processing_class=tokenizer, sandbox=sandbox)
+        trainer = ScriptedTrainer(
+            str(model_dir),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            sandbox=sandbox,
+        )
         seen: dict = {}
         record(trainer, seen)
         engine_calls = []
@@ -120,12 +141,19 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
     VLLMClient.init_communicator = lambda self, device=None: None
     prompts_by_rank = json.loads((out_dir / "prompts.json").read_text())
     tokenizer = quickstart_tokenizer()
-    args = engine_config(out_dir / "run", use_vllm=True, vllm_mode="server", vllm_server_base_url=server_url,
-                         per_device_train_batch_size=2, num_generations=2)
+    args = engine_config(
+        out_dir / "run",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server_url,
+        per_device_train_batch_size=2,
+        num_generations=2,
+    )
     with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
         dataset = Dataset.from_list([{"prompt": "x", "answer": "1"}] * 8)
-        trainer = ReToolTrainer(model_path(), args=args, train_dataset=dataset, processing_class=tokenizer,
-                                sandbox=sandbox)
+        trainer = ReToolTrainer(
+            model_path(), args=args, train_dataset=dataset, processing_class=tokenizer, sandbox=sandbox
+        )
         trainer.vllm_generation.temperature = 0.0  # greedy: comparable with the single-process rollout
         trainer._last_loaded_step = trainer.state.global_step  # no weight sync (needs NCCL)
         trainer.model.train()

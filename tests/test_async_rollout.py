@@ -11,9 +11,9 @@ import pytest
 from retool_trl.async_rollout import CompletionsEngine, EngineError, async_rollout
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.types import TurnOutput
 from retool_trl.sandbox import ExecResult, LocalSandbox
 from retool_trl.testing import ScriptedBackend
+from retool_trl.types import TurnOutput
 from testing_utils import make_char_tokenizer
 
 TOKENIZER = make_char_tokenizer()
@@ -98,7 +98,9 @@ SPEC = RolloutSpec(max_completion_length=200, eos_token_ids=[TOKENIZER.eos_token
 
 
 def test_same_tokens_mask_logprobs_and_facts_as_the_barrier_loop():
-    barrier = interleaved_rollout(prompts(4), ScriptedBackend(TOKENIZER, SCRIPTS), ThreadSafeSandbox(), TOKENIZER, SPEC)
+    barrier = interleaved_rollout(
+        prompts(4), ScriptedBackend(TOKENIZER, SCRIPTS), ThreadSafeSandbox(), TOKENIZER, SPEC
+    )
     result = async_rollout(prompts(4), AsyncScripted(SCRIPTS), ThreadSafeSandbox(), TOKENIZER, SPEC)
     assert result.completion_ids == barrier.completion_ids
     assert result.interpreter_mask == barrier.interpreter_mask
@@ -132,8 +134,9 @@ def test_concurrency_bound_is_kept():
             finally:
                 in_flight[0] -= 1
 
-    async_rollout(prompts(4), Counting(SCRIPTS, seconds_per_token=0.001), ThreadSafeSandbox(), TOKENIZER, SPEC,
-                  max_concurrency=2)
+    async_rollout(
+        prompts(4), Counting(SCRIPTS, seconds_per_token=0.001), ThreadSafeSandbox(), TOKENIZER, SPEC, max_concurrency=2
+    )
     assert peak[0] == 2
 
 
@@ -142,8 +145,9 @@ def test_dropped_connection_is_infrastructure_never_minus_one():
     result = async_rollout(prompts(4), engine, ThreadSafeSandbox(), TOKENIZER, SPEC)
     assert result.infra_failed == [True, False, False, False]
     assert result.num_infra_errors[0] == 1
-    rewards = boxed_accuracy([""] * 4, ["42", "41", "3", "0"], model_text=result.model_text,
-                             infra_failed=result.infra_failed)
+    rewards = boxed_accuracy(
+        [""] * 4, ["42", "41", "3", "0"], model_text=result.model_text, infra_failed=result.infra_failed
+    )
     assert rewards == [None, 1.0, 1.0, 1.0]
 
 
@@ -153,8 +157,10 @@ def test_real_sandbox_timeout_is_the_snippets_error_and_sessions_keep_state():
         result = async_rollout(prompts(2), AsyncScripted(scripts), sandbox, TOKENIZER, SPEC)
     assert result.num_tool_timeouts == [1, 0] and result.infra_failed == [False, False]
     assert result.num_tool_errors == [1, 0]
-    env = [TOKENIZER.decode([t for t, m in zip(ids, mask) if not m])
-           for ids, mask in zip(result.completion_ids, result.interpreter_mask)]
+    env = [
+        TOKENIZER.decode([t for t, m in zip(ids, mask) if not m])
+        for ids, mask in zip(result.completion_ids, result.interpreter_mask)
+    ]
     assert "10" in env[1]
 
 
@@ -169,9 +175,18 @@ def completions_server(replies, seen):
         if isinstance(reply, int):
             return httpx.Response(reply, json={"error": "boom"})
         ids = TOKENIZER(reply, add_special_tokens=False)["input_ids"]
-        return httpx.Response(200, json={"choices": [
-            {"token_ids": ids, "logprobs": {"token_logprobs": [-t / 100 for t in ids]}, "finish_reason": "stop"}
-        ]})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "token_ids": ids,
+                        "logprobs": {"token_logprobs": [-t / 100 for t in ids]},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+        )
 
     return httpx.MockTransport(handler)
 
@@ -179,8 +194,9 @@ def completions_server(replies, seen):
 def test_completions_engine_request_and_reply():
     seen = []
     transport = completions_server(["<code>print(1)</code>tail", "done"], seen)
-    engine = CompletionsEngine("http://127.0.0.1:9", TOKENIZER, "</code>", sampling={"temperature": 0.7, "top_k": 5},
-                               transport=transport)
+    engine = CompletionsEngine(
+        "http://127.0.0.1:9", TOKENIZER, "</code>", sampling={"temperature": 0.7, "top_k": 5}, transport=transport
+    )
 
     async def two_turns():
         async with engine:
@@ -201,8 +217,10 @@ def test_completions_engine_request_and_reply():
 @pytest.mark.parametrize("failure", [500, "connect"])
 def test_completions_engine_failures_raise_engine_error(failure):
     if failure == "connect":
+
         def handler(request):
             raise httpx.ConnectError("connection refused", request=request)
+
         transport = httpx.MockTransport(handler)
     else:
         transport = completions_server([failure], [])
@@ -238,12 +256,24 @@ def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
             return TurnOutput(out.token_ids, [-t / 1000 for t in out.token_ids])
 
     scripts = SCRIPTS[:2] + SCRIPTS[3:]
-    args = ReToolConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,
-                        max_completion_length=96, report_to="none", bf16=False, use_cpu=True)
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+    )
     assert args.rollout_mode == "async"
-    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", TOKENIZER), reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
-                            args=args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
-                            processing_class=TOKENIZER, sandbox=FakeSandbox())
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", TOKENIZER),
+        reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
+        processing_class=TOKENIZER,
+        sandbox=FakeSandbox(),
+    )
     helper = FakeVLLMGeneration(TOKENIZER, scripts)
     helper.mode = "server"  # the barrier helper must not be called: every turn goes through the async engine
     helper.generate = None
@@ -272,12 +302,18 @@ def test_local_sandbox_serves_many_threads_at_once():
         def three_cells(i):
             session = sandbox.session()
             try:
-                return [sandbox.run_many([(session, f"x = {i} * 10 + {k}\nimport time; time.sleep(0.01 * ({i} % 3))"
-                                                    "\nprint(x)")])[0] for k in range(3)]
+                return [
+                    sandbox.run_many(
+                        [(session, f"x = {i} * 10 + {k}\nimport time; time.sleep(0.01 * ({i} % 3))\nprint(x)")]
+                    )[0]
+                    for k in range(3)
+                ]
             finally:
                 session.close()
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             results = list(pool.map(three_cells, range(32)))
     for i, cells in enumerate(results):
-        assert [(r.ok, r.infra_error, r.output.strip()) for r in cells] == [(True, False, str(i * 10 + k)) for k in range(3)]
+        assert [(r.ok, r.infra_error, r.output.strip()) for r in cells] == [
+            (True, False, str(i * 10 + k)) for k in range(3)
+        ]

@@ -60,11 +60,26 @@ def write_yaml(path: Path, **values) -> str:
 
 def train_config(work, tmp_path, **overrides) -> str:
     values = dict(
-        model_name_or_path=str(work / "model"), dataset_name=str(work / "problems.jsonl"), prompt_column="question",
-        answer_column="final", prompt_format="plain", system_prompt="none", output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=16, max_steps=2,
-        learning_rate=1.0e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True,
-        gradient_checkpointing=False, sandbox_workers=1, seed=0,
+        model_name_or_path=str(work / "model"),
+        dataset_name=str(work / "problems.jsonl"),
+        prompt_column="question",
+        answer_column="final",
+        prompt_format="plain",
+        system_prompt="none",
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=2,
+        learning_rate=1.0e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        sandbox_workers=1,
+        seed=0,
     )
     values.update(overrides)
     return write_yaml(tmp_path / "train.yaml", **values)
@@ -72,9 +87,18 @@ def train_config(work, tmp_path, **overrides) -> str:
 
 def sft_config(work, tmp_path, **overrides) -> str:
     values = dict(
-        model_name_or_path=str(work / "model"), dataset_name=str(work / "traces.jsonl"),
-        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=2, max_steps=2, learning_rate=1.0e-3,
-        logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True, max_length=128,
+        model_name_or_path=str(work / "model"),
+        dataset_name=str(work / "traces.jsonl"),
+        output_dir=str(tmp_path / "sft"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1.0e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        max_length=128,
         gradient_checkpointing=False,
     )
     values.update(overrides)
@@ -108,8 +132,9 @@ def test_usage_and_help(capsys):
 def test_train_lora_two_steps(work, tmp_path, monkeypatch):
     monkeypatch.chdir(work)  # the dotted reward path is imported from the working directory, as in TRL
     seen = spy_on(monkeypatch, cli_train, "build_train")
-    cfg = train_config(work, tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
-                       reward_funcs=["cli_rewards.ramp", "boxed_accuracy"])
+    cfg = train_config(
+        work, tmp_path, use_peft=True, lora_r=4, lora_alpha=8, reward_funcs=["cli_rewards.ramp", "boxed_accuracy"]
+    )
     assert main(["train", "--config", cfg, "--learning_rate", "0.01"]) == 0
     trainer, before = seen["trainer"], seen["before"]
     assert trainer.args.learning_rate == 0.01  # the command line wins over the YAML
@@ -148,13 +173,25 @@ def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch):
 
 def test_sft_on_retool_sft_messages(work, tmp_path):
     """The released ReTool-SFT layout: `messages` whose assistant text holds fenced code and interpreter output."""
-    assistant = ("Let me compute.\n<code>\n```python\nprint(2*3)\n```\n</code>\n<interpreter>\n6\n</interpreter>\n"
-                 "So \\boxed{6}.")
+    assistant = (
+        "Let me compute.\n<code>\n```python\nprint(2*3)\n```\n</code>\n<interpreter>\n6\n</interpreter>\n"
+        "So \\boxed{6}."
+    )
     path = tmp_path / "retool_sft.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2*3?"},
-                                             {"role": "assistant", "content": assistant}]}) + "\n")
-    cfg = sft_config(work, tmp_path, model_name_or_path=str(work / "chat_model"), dataset_name=str(path),
-                     system_prompt="retool_concise", max_length=1024)
+    path.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "What is 2*3?"}, {"role": "assistant", "content": assistant}]}
+        )
+        + "\n"
+    )
+    cfg = sft_config(
+        work,
+        tmp_path,
+        model_name_or_path=str(work / "chat_model"),
+        dataset_name=str(path),
+        system_prompt="retool_concise",
+        max_length=1024,
+    )
     trainer = cli_sft.build_sft(["--config", cfg])
     tok = trainer.processing_class
     batch = trainer.data_collator([trainer.train_dataset[0]])
@@ -167,10 +204,35 @@ def test_sft_on_retool_sft_messages(work, tmp_path):
 
 def test_eval_writes_json_and_markdown(work, tmp_path, capsys):
     out = tmp_path / "eval"
-    rc = main(["eval", "--model", str(work / "model"), "--dataset", str(work / "problems.jsonl"),
-               "--prompt_column", "question", "--answer_column", "final", "--prompt_format", "plain",
-               "--system_prompt", "none", "--num-samples", "2", "--max_samples", "3", "--batch_size", "4",
-               "--max_completion_length", "12", "--sandbox_workers", "1", "--output_dir", str(out)])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(work / "model"),
+            "--dataset",
+            str(work / "problems.jsonl"),
+            "--prompt_column",
+            "question",
+            "--answer_column",
+            "final",
+            "--prompt_format",
+            "plain",
+            "--system_prompt",
+            "none",
+            "--num-samples",
+            "2",
+            "--max_samples",
+            "3",
+            "--batch_size",
+            "4",
+            "--max_completion_length",
+            "12",
+            "--sandbox_workers",
+            "1",
+            "--output_dir",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert (data["num_problems"], data["num_samples"], data["num_completions"]) == (3, 2, 6)
@@ -198,8 +260,9 @@ def test_quickstart_is_delegated(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(quickstart, "main", lambda argv: calls.append(("main", argv)) or 0, raising=False)
     assert main(["quickstart", "--output-dir", str(tmp_path)]) == 0
     monkeypatch.delattr(quickstart, "main")
-    monkeypatch.setattr(quickstart, "run_quickstart", lambda output_dir, **kw: calls.append(("run", output_dir)),
-                        raising=False)
+    monkeypatch.setattr(
+        quickstart, "run_quickstart", lambda output_dir, **kw: calls.append(("run", output_dir)), raising=False
+    )
     assert main(["quickstart", "--output-dir", str(tmp_path)]) == 0
     assert calls == [("main", ["--output-dir", str(tmp_path)]), ("run", str(tmp_path))]
     monkeypatch.delattr(quickstart, "run_quickstart")
@@ -208,8 +271,18 @@ def test_quickstart_is_delegated(monkeypatch, tmp_path, capsys):
 
 
 def test_plot_checkpoint_fallback_and_errors(tmp_path, capsys):
-    history = [{"step": s, "reward": -1 + s / 5, "reward_std": 0.1, "rewards/boxed_accuracy/mean": -1 + s / 5,
-                "retool/code_ratio": s / 10, "completions/mean_length": 20 - s, "loss": 0.1} for s in range(1, 6)]
+    history = [
+        {
+            "step": s,
+            "reward": -1 + s / 5,
+            "reward_std": 0.1,
+            "rewards/boxed_accuracy/mean": -1 + s / 5,
+            "retool/code_ratio": s / 10,
+            "completions/mean_length": 20 - s,
+            "loss": 0.1,
+        }
+        for s in range(1, 6)
+    ]
     history.append({"step": 5, "eval_reward": 0.2})
     ckpt = tmp_path / "run" / "checkpoint-5"
     ckpt.mkdir(parents=True)
@@ -260,7 +333,9 @@ TRAIN_CASES = {
     "yaml list for scalar": ({"max_steps": [1, 2]}, [], ["'max_steps'", "takes a single value"]),
     "yaml yes/no": ({"report_to": False}, [], ["'report_to'", "quote the value"]),
     "yaml bad choice": (
-        {"prompt_format": "chat"}, [], ["'prompt_format'", "one of ['auto', 'conversational', 'plain']"]
+        {"prompt_format": "chat"},
+        [],
+        ["'prompt_format'", "one of ['auto', 'conversational', 'plain']"],
     ),
     "cli wrong type": ({}, ["--max_steps", "x"], ["--max_steps", "invalid int value: 'x'"]),
     "config check": ({}, ["--max_tool_calls", "-1"], ["max_tool_calls must be >= 0"]),
@@ -268,20 +343,30 @@ TRAIN_CASES = {
     "missing column": ({}, ["--answer_column", "nope"], ["no column 'nope'", "question, final", "answer_column"]),
     "no answer column": ({"answer_column": None}, [], ["no answer column", "set answer_column"]),
     "no pad token": ({"model_name_or_path": "{work}/nopad_model"}, [], ["has no pad token", "pad_token"]),
-    "bad pad token": ({"model_name_or_path": "{work}/nopad_model"}, ["--pad_token", "<nope>"],
-                      ["pad_token '<nope>' is not a token"]),
+    "bad pad token": (
+        {"model_name_or_path": "{work}/nopad_model"},
+        ["--pad_token", "<nope>"],
+        ["pad_token '<nope>' is not a token"],
+    ),
     "tag not representable": (
-        {"model_name_or_path": "{work}/closed_model"}, ["--code_start", "<código>"],
+        {"model_name_or_path": "{work}/closed_model"},
+        ["--code_start", "<código>"],
         ["code_start '<código>' cannot be represented", "add_tokens"],
     ),
     "tag is special": ({}, ["--interpreter_end", "<|endoftext|>"], ["interpreter_end", "special token"]),
     "no chat template": ({}, ["--prompt_format", "conversational"], ["no chat template", "prompt_format: plain"]),
-    "unknown reward": ({}, ["--reward_funcs", "boxed_acc"], ["unknown reward function 'boxed_acc'",
-                                                             "did you mean 'boxed_accuracy'"]),
+    "unknown reward": (
+        {},
+        ["--reward_funcs", "boxed_acc"],
+        ["unknown reward function 'boxed_acc'", "did you mean 'boxed_accuracy'"],
+    ),
     "reward import": ({}, ["--reward_funcs", "no_such_module.fn"], ["cannot import module 'no_such_module'"]),
     "reward column": ({}, ["--reward_funcs", "accuracy_reward"], ["needs a dataset column 'solution'"]),
-    "missing model": ({"model_name_or_path": "./no/such/model"}, [], ["model folder './no/such/model' does not "
-                                                                      "exist"]),
+    "missing model": (
+        {"model_name_or_path": "./no/such/model"},
+        [],
+        ["model folder './no/such/model' does not exist"],
+    ),
     "no dataset": ({"dataset_name": None}, [], ["no training data", "dataset_name"]),
     "resume without checkpoint": ({"resume_from_checkpoint": True}, [], ["has no checkpoint-* folder"]),
 }
@@ -316,24 +401,46 @@ def test_tokenizer_that_drops_text(work, tmp_path, capsys, no_model_loading):
 
 def test_sft_and_eval_input_errors(work, tmp_path, capsys, no_model_loading):
     problems = str(work / "problems.jsonl")
-    expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, dataset_name=problems)],
-                 "need a 'messages' column or 'prompt' and 'completion' columns")
+    expect_error(
+        capsys,
+        ["sft", "--config", sft_config(work, tmp_path, dataset_name=problems)],
+        "need a 'messages' column or 'prompt' and 'completion' columns",
+    )
     expect_error(capsys, ["sft", "--config", sft_config(work, tmp_path, packing=True)], "packing")
     expect_error(
         capsys, ["sft", "--config", sft_config(work, tmp_path), "--prompt_column", "nope"], "no column 'nope'"
     )
     expect_error(capsys, ["eval", "--model", str(work / "model")], "required", "--dataset")
     expect_error(capsys, ["eval", "--model", "./no/model", "--dataset", problems], "does not exist")
-    expect_error(capsys, ["eval", "--model", str(work / "model"), "--dataset", problems, "--num-samples", "0"],
-                 "num_samples")
-    expect_error(capsys, ["eval", "--model", str(work / "model"), "--dataset", problems, "--prompt_format", "plain",
-                          "--answer_column", "nope"], "no column 'nope'")
+    expect_error(
+        capsys, ["eval", "--model", str(work / "model"), "--dataset", problems, "--num-samples", "0"], "num_samples"
+    )
+    expect_error(
+        capsys,
+        [
+            "eval",
+            "--model",
+            str(work / "model"),
+            "--dataset",
+            problems,
+            "--prompt_format",
+            "plain",
+            "--answer_column",
+            "nope",
+        ],
+        "no column 'nope'",
+    )
 
 
 def test_no_traceback_in_a_real_process(work, tmp_path):
     cfg = train_config(work, tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "retool_trl", "train", "--config", cfg, "--answer_column", "nope"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "retool_trl", "train", "--config", cfg, "--answer_column", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [

@@ -23,8 +23,18 @@ def tiny_model(tmp_path_factory):
 
 def cpu_overrides(tiny_model, tmp_path):
     # What differs on this machine: the model, no GPU (so no bf16 and no vLLM), and a scratch output folder.
-    return ["--model_name_or_path", tiny_model, "--bf16", "false", "--use_cpu", "true", "--dtype", "float32",
-            "--output_dir", str(tmp_path / "out")]
+    return [
+        "--model_name_or_path",
+        tiny_model,
+        "--bf16",
+        "false",
+        "--use_cpu",
+        "true",
+        "--dtype",
+        "float32",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
 
 
 def test_configs_exist():
@@ -36,7 +46,8 @@ def test_configs_exist():
 def test_train_configs_build_arguments(path, tiny_model, tmp_path):
     raw = yaml.safe_load(path.read_text())
     script_args, args, model_args = parse_train_args(
-        ["--config", str(path), *cpu_overrides(tiny_model, tmp_path), "--use_vllm", "false"])
+        ["--config", str(path), *cpu_overrides(tiny_model, tmp_path), "--use_vllm", "false"]
+    )
     assert model_args.model_name_or_path == tiny_model and args.use_cpu and not args.use_vllm
     for key in ("learning_rate", "beta", "max_completion_length", "num_generations", "max_tool_calls"):
         if key in raw:
@@ -65,8 +76,15 @@ def test_gpu_configs_follow_the_paper(path):
 
 def test_quickstart_config_builds_a_trainer(tiny_model, tmp_path):
     """The CPU config runs here: build its trainer on the synthetic task with the tiny model swapped in."""
-    trainer = build_train(["--config", str(CONFIGS / "quickstart.yaml"), *cpu_overrides(tiny_model, tmp_path),
-                           "--max_train_samples", "16"])
+    trainer = build_train(
+        [
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            *cpu_overrides(tiny_model, tmp_path),
+            "--max_train_samples",
+            "16",
+        ]
+    )
     try:
         assert len(trainer.train_dataset) == 16
         assert trainer.train_dataset[0]["prompt"].startswith("What is ")

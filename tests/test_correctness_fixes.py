@@ -112,13 +112,27 @@ def test_output_that_is_not_text_becomes_valid_text(printed):
 
 # ------------------------------------------------------------------- the trainer's side
 def trainer_for(tmp_path, scripts, reward_funcs=None, dataset=None, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=96, report_to="none", bf16=False, use_cpu=True, beta=0.0, seed=0)
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+        seed=0,
+    )
     values.update(overrides)
     dataset = dataset or Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4)
-    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", CHAR), reward_funcs=reward_funcs,
-                            args=ReToolConfig(**values), train_dataset=dataset, processing_class=CHAR,
-                            sandbox=FakeSandbox())
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", CHAR),
+        reward_funcs=reward_funcs,
+        args=ReToolConfig(**values),
+        train_dataset=dataset,
+        processing_class=CHAR,
+        sandbox=FakeSandbox(),
+    )
     trainer._make_generation_backend = lambda model: ScriptedBackend(CHAR, scripts)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -146,8 +160,14 @@ def test_reward_functions_receive_only_per_completion_facts(tmp_path):
         return [0.0] * len(completions)
 
     scripts = ["\\boxed{42}"] * 4
-    trainer = trainer_for(tmp_path, scripts, reward_funcs=[boxed_accuracy, user_reward], correct_reward=2.0,
-                          tool_use_bonus=0.1, code_start="<code>")
+    trainer = trainer_for(
+        tmp_path,
+        scripts,
+        reward_funcs=[boxed_accuracy, user_reward],
+        correct_reward=2.0,
+        tool_use_bonus=0.1,
+        code_start="<code>",
+    )
     rows = [{"prompt": "Q:", "answer": "42"} for _ in range(4)]
     trainer._generate_and_score_completions(rows)
     # The user's parameters that share a name with ReTool settings get nothing of ReTool's.

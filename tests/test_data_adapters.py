@@ -21,24 +21,41 @@ from retool_trl.data import (
 # Rows shaped like the published datasets (column names and nesting as on the hub; contents shortened).
 DAPO_ROW = {
     "data_source": "math_dapo",
-    "prompt": [{
-        "role": "user",
-        "content": "Solve the following math problem step by step. The last line of your response should be of "
-        "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nFind the sum of all "
-        "integers $n$ with $n^2 < 10$.\n\nRemember to put your answer on its own line after \"Answer:\".",
-    }],
+    "prompt": [
+        {
+            "role": "user",
+            "content": "Solve the following math problem step by step. The last line of your response should be of "
+            "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+            "Find the sum of all "
+            'integers $n$ with $n^2 < 10$.\n\nRemember to put your answer on its own line after "Answer:".',
+        }
+    ],
     "ability": "MATH",
     "reward_model": {"ground_truth": "0", "style": "rule-lighteval/MATH_v2"},
     "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"},
 }
-AIME24_H4_ROW = {"id": 60, "problem": "Find $x$.", "solution": "...", "answer": "204", "url": "https://...",
-                 "year": "2024"}
+AIME24_H4_ROW = {
+    "id": 60,
+    "problem": "Find $x$.",
+    "solution": "...",
+    "answer": "204",
+    "url": "https://...",
+    "year": "2024",
+}
 AIME24_MAXWELL_ROW = {"ID": "2024-I-1", "Problem": "Find $y$.", "Solution": "...", "Answer": 33}
 AIME25_ROW = {"question": "Find $z$.", "answer": "70", "year": 2025, "solution": "...", "id": 1, "url": "..."}
-MATH500_ROW = {"problem": "Compute $\\frac{1}{2}+\\frac{1}{3}$.", "solution": "... $\\boxed{\\frac{5}{6}}$",
-               "answer": "\\frac{5}{6}", "subject": "Algebra", "level": 1, "unique_id": "test/algebra/1.json"}
-GSM8K_ROW = {"question": "Tom has 3 boxes of 500 pens. How many pens?",
-             "answer": "3 boxes * 500 = <<3*500=1500>>1500 pens.\n#### 1,500"}
+MATH500_ROW = {
+    "problem": "Compute $\\frac{1}{2}+\\frac{1}{3}$.",
+    "solution": "... $\\boxed{\\frac{5}{6}}$",
+    "answer": "\\frac{5}{6}",
+    "subject": "Algebra",
+    "level": 1,
+    "unique_id": "test/algebra/1.json",
+}
+GSM8K_ROW = {
+    "question": "Tom has 3 boxes of 500 pens. How many pens?",
+    "answer": "3 boxes * 500 = <<3*500=1500>>1500 pens.\n#### 1,500",
+}
 
 
 def test_dapo_math_strips_dapo_answer_instructions():
@@ -49,8 +66,11 @@ def test_dapo_math_strips_dapo_answer_instructions():
 
 @pytest.mark.parametrize(
     "row, expected",
-    [(AIME24_H4_ROW, ("Find $x$.", "204")), (AIME24_MAXWELL_ROW, ("Find $y$.", "33")),
-     (AIME25_ROW, ("Find $z$.", "70"))],
+    [
+        (AIME24_H4_ROW, ("Find $x$.", "204")),
+        (AIME24_MAXWELL_ROW, ("Find $y$.", "33")),
+        (AIME25_ROW, ("Find $z$.", "70")),
+    ],
 )
 def test_aime_layouts(row, expected):
     assert aime_example(row) == expected
@@ -76,7 +96,9 @@ def test_build_prompt_formats():
     assert build_prompt("Q?", "plain", "Sys.") == "Sys.\n\nQ?"
     assert build_prompt("Q?") == [{"role": "user", "content": "Q?"}]
     assert build_prompt("Q?", "conversational", "Sys.") == [
-        {"role": "system", "content": "Sys."}, {"role": "user", "content": "Q?"}]
+        {"role": "system", "content": "Sys."},
+        {"role": "user", "content": "Q?"},
+    ]
     with pytest.raises(DataError, match="prompt_format"):
         build_prompt("Q?", "chat")
 
@@ -87,8 +109,9 @@ def test_default_system_prompt_is_retools(tmp_path):
     row = load_math_dataset(str(path))[0]
     assert row["prompt"][0]["role"] == "system"
     system = row["prompt"][0]["content"]
-    tags = dict(code_start="<code>", code_end="</code>", interpreter_start="<interpreter>",
-                interpreter_end="</interpreter>")
+    tags = dict(
+        code_start="<code>", code_end="</code>", interpreter_start="<interpreter>", interpreter_end="</interpreter>"
+    )
     assert system == SYSTEM_PROMPTS["retool"].format(**tags)
     assert "<code>" in system and "{" not in system.replace("\\boxed{answer}", "")
     assert row["prompt"][1] == {"role": "user", "content": "1+1?"}
@@ -100,9 +123,11 @@ def test_local_files_with_configured_columns(tmp_path, suffix):
     rows = [{"q": f"What is {i}+1?", "gold": str(i + 1), "other": i} for i in range(4)]
     path = tmp_path / f"problems.{suffix}"
     Dataset.from_list(rows).to_json(path) if suffix == "jsonl" else getattr(Dataset.from_list(rows), f"to_{suffix}")(
-        str(path))
-    ds = load_math_dataset(str(path), prompt_column="q", answer_column="gold", prompt_format="plain",
-                           system_prompt=None, max_samples=3)
+        str(path)
+    )
+    ds = load_math_dataset(
+        str(path), prompt_column="q", answer_column="gold", prompt_format="plain", system_prompt=None, max_samples=3
+    )
     assert ds.column_names == ["prompt", "answer"]
     assert ds["prompt"] == ["What is 0+1?", "What is 1+1?", "What is 2+1?"]
     assert ds["answer"] == ["1", "2", "3"]
@@ -137,8 +162,12 @@ def test_missing_columns_name_the_fix(tmp_path):
 def test_known_hub_datasets_are_mapped(monkeypatch):
     """The hub path: `load_dataset` is faked with rows shaped like the real datasets (no network in tests)."""
     calls = []
-    tables = {"BytedTsinghua-SIA/DAPO-Math-17k": [DAPO_ROW], "openai/gsm8k": [GSM8K_ROW],
-              "HuggingFaceH4/MATH-500": [MATH500_ROW], "HuggingFaceH4/aime_2024": [AIME24_H4_ROW]}
+    tables = {
+        "BytedTsinghua-SIA/DAPO-Math-17k": [DAPO_ROW],
+        "openai/gsm8k": [GSM8K_ROW],
+        "HuggingFaceH4/MATH-500": [MATH500_ROW],
+        "HuggingFaceH4/aime_2024": [AIME24_H4_ROW],
+    }
 
     def fake_load_dataset(path, name=None, split=None, **kwargs):
         calls.append((path, name, split))
@@ -148,11 +177,17 @@ def test_known_hub_datasets_are_mapped(monkeypatch):
     dapo = load_math_dataset("dapo_math", system_prompt="Sys.")
     assert dapo[0]["prompt"][1]["content"] == "Find the sum of all integers $n$ with $n^2 < 10$."
     assert load_math_dataset("gsm8k", prompt_format="plain", system_prompt=None)[0] == {
-        "prompt": GSM8K_ROW["question"], "answer": "1500"}
+        "prompt": GSM8K_ROW["question"],
+        "answer": "1500",
+    }
     assert load_math_dataset("math500")[0]["answer"] == "\\frac{5}{6}"
     assert load_math_dataset("aime_2024", split="train")[0]["answer"] == "204"
-    assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"), ("openai/gsm8k", "main", "test"),
-                     ("HuggingFaceH4/MATH-500", None, "test"), ("HuggingFaceH4/aime_2024", None, "train")]
+    assert calls == [
+        ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
+        ("openai/gsm8k", "main", "test"),
+        ("HuggingFaceH4/MATH-500", None, "test"),
+        ("HuggingFaceH4/aime_2024", None, "train"),
+    ]
     # A known dataset whose columns changed: named, with the fix.
     tables["openai/gsm8k"] = [{"problem": "x", "solution": "y"}]
     with pytest.raises(DataError, match="lacks columns.*prompt_column and answer_column"):

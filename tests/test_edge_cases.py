@@ -12,6 +12,7 @@ from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 from retool_trl.types import TurnOutput
+from retool_trl.vllm_backend import VLLMBackend
 from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
@@ -21,7 +22,6 @@ from testing_utils import (
     record_rewards,
     save_tiny_model,
 )
-from retool_trl.vllm_backend import VLLMBackend
 
 TOKENIZER = make_char_tokenizer()
 
@@ -64,12 +64,24 @@ def test_retry_uses_a_fresh_session_with_the_earlier_cells_replayed():
 
 
 def trainer_for(tmp_path, scripts, sandbox, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=96,
-                  report_to="none", bf16=False, use_cpu=True, beta=0.0)
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+    )
     values.update(overrides)
-    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", TOKENIZER), args=ReToolConfig(**values),
-                            train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4),
-                            processing_class=TOKENIZER, sandbox=sandbox)
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", TOKENIZER),
+        args=ReToolConfig(**values),
+        train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4),
+        processing_class=TOKENIZER,
+        sandbox=sandbox,
+    )
     trainer._make_generation_backend = lambda model: ScriptedBackend(TOKENIZER, scripts)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -123,8 +135,13 @@ def test_empty_first_turn_gives_a_completion_trl_can_read():
 
 
 def backend(model, reuse=True, **config):
-    config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=[TOKENIZER.eos_token_id],
-                              pad_token_id=TOKENIZER.pad_token_id, **config)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=30,
+        eos_token_id=[TOKENIZER.eos_token_id],
+        pad_token_id=TOKENIZER.pad_token_id,
+        **config,
+    )
     return TransformersBackend(model, TOKENIZER, config, "</code>", [TOKENIZER.eos_token_id], reuse_cache=reuse)
 
 

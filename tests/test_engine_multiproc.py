@@ -14,8 +14,17 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 def launch(mode: str, out_dir, nproc: int, *extra: str, timeout_s: float = 600) -> list[dict]:
     """Runs `tests/multiproc_worker.py` under torchrun; a hang fails the test at `timeout_s`, never blocks CI."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(REPO / "tests" / "multiproc_worker.py"), mode, str(out_dir), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(REPO / "tests" / "multiproc_worker.py"),
+        mode,
+        str(out_dir),
+        *extra,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]

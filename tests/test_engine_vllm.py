@@ -40,10 +40,12 @@ def sandbox():
 @pytest.fixture(scope="module")
 def colocate_trainer(tmp_path_factory, tokenizer, sandbox):
     """One colocated engine for the module (vLLM runs one engine per process in colocate mode)."""
-    args = engine_config(tmp_path_factory.mktemp("colocate"), use_vllm=True, vllm_mode="colocate",
-                         learning_rate=1e-3, beta=0.0)
-    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16),
-                            processing_class=tokenizer, sandbox=sandbox)
+    args = engine_config(
+        tmp_path_factory.mktemp("colocate"), use_vllm=True, vllm_mode="colocate", learning_rate=1e-3, beta=0.0
+    )
+    trainer = ReToolTrainer(
+        model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer, sandbox=sandbox
+    )
     return trainer
 
 
@@ -52,8 +54,9 @@ def prompt_ids_of(tokenizer, n=16, seed=1):
 
 
 def greedy_transformers_rollout(model, tokenizer, sandbox, prompts, spec):
-    backend = TransformersBackend(model, tokenizer, greedy_generation_config(tokenizer), "</code>",
-                                  [tokenizer.eos_token_id])
+    backend = TransformersBackend(
+        model, tokenizer, greedy_generation_config(tokenizer), "</code>", [tokenizer.eos_token_id]
+    )
     return interleaved_rollout(prompts, backend, sandbox, tokenizer, spec)
 
 
@@ -150,8 +153,9 @@ def no_nccl_communicator(monkeypatch):
 
 def test_server_mode_rollout_through_a_real_server(server, no_nccl_communicator, tokenizer, sandbox, tmp_path):
     args = engine_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url)
-    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
-                            sandbox=sandbox)
+    trainer = ReToolTrainer(
+        model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer, sandbox=sandbox
+    )
     spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
     prompts = prompt_ids_of(tokenizer)
     ours = greedy_vllm_rollout(trainer.vllm_generation, tokenizer, sandbox, prompts, spec)
@@ -162,7 +166,9 @@ def test_server_mode_rollout_through_a_real_server(server, no_nccl_communicator,
     # TRL's own `_generate` path (what training runs): token ids, tool mask and log-probs line up.
     trainer._last_loaded_step = trainer.state.global_step  # no weight sync: it needs NCCL (see fixture)
     trainer.model.train()
-    _, completion_ids, tool_mask, _, logprobs, extra, *_ = trainer._generate(list(quickstart_dataset(8, seed=2)["prompt"]))
+    _, completion_ids, tool_mask, _, logprobs, extra, *_ = trainer._generate(
+        list(quickstart_dataset(8, seed=2)["prompt"])
+    )
     assert [len(m) for m in tool_mask] == [len(c) for c in completion_ids] == [len(lp) for lp in logprobs]
     assert sum(extra["num_tool_calls"]) >= 0
 
@@ -179,8 +185,9 @@ def test_server_mode_two_processes_with_different_turns(server, no_nccl_communic
     solved = [f"{t}<code>print({t[8:-2]})</code><interpreter>{eval(t[8:-2])}\n</interpreter>" for t in texts[2:]]
     prompts = texts[:2] + solved
     args = engine_config(tmp_path / "one", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url)
-    trainer = ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
-                            sandbox=sandbox)
+    trainer = ReToolTrainer(
+        model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer, sandbox=sandbox
+    )
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     single = greedy_vllm_rollout(trainer.vllm_generation, tokenizer, sandbox, ids, spec)
     assert single.num_turns[:2] == [2, 2] and single.num_turns[2:] == [1, 1], single.num_turns
@@ -189,7 +196,7 @@ def test_server_mode_two_processes_with_different_turns(server, no_nccl_communic
     ranks = launch("vllm_server", tmp_path / "two", 2, server.base_url)
     for mode in ("barrier", "async"):
         for i, prompt in enumerate(prompts):
-            (text, mask), = ranks[i // 2]["completions"][mode][prompt]
+            ((text, mask),) = ranks[i // 2]["completions"][mode][prompt]
             assert text == tokenizer.decode(single.completion_ids[i]), mode
             assert mask == single.interpreter_mask[i], mode
 
@@ -202,11 +209,13 @@ def server_trainer(server, tokenizer, sandbox, tmp_path_factory):
     # As `no_nccl_communicator`, for the module (a module fixture cannot use the function-scoped monkeypatch).
     original = vllm_client.VLLMClient.init_communicator
     vllm_client.VLLMClient.init_communicator = lambda self, device=None: None
-    args = engine_config(tmp_path_factory.mktemp("server"), use_vllm=True, vllm_mode="server",
-                         vllm_server_base_url=server.base_url)
+    args = engine_config(
+        tmp_path_factory.mktemp("server"), use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url
+    )
     try:
-        yield ReToolTrainer(model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer,
-                            sandbox=sandbox)
+        yield ReToolTrainer(
+            model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer, sandbox=sandbox
+        )
     finally:
         vllm_client.VLLMClient.init_communicator = original
 
@@ -276,11 +285,14 @@ def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer):
     dataset = quickstart_dataset(6, seed=5)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in dataset["prompt"]]
     fake = FakeSandbox()
-    result = async_rollout(prompts, greedy_engine(server, tokenizer, DropsAfter(8)), fake, tokenizer, spec,
-                           max_concurrency=3)
+    result = async_rollout(
+        prompts, greedy_engine(server, tokenizer, DropsAfter(8)), fake, tokenizer, spec, max_concurrency=3
+    )
     # Rows cut off by the engine are infrastructure failures: unscored (None), never -1; the rest are scored.
     assert any(result.infra_failed) and not all(result.infra_failed)
-    rewards = boxed_accuracy([""] * 6, dataset["answer"], model_text=result.model_text, infra_failed=result.infra_failed)
+    rewards = boxed_accuracy(
+        [""] * 6, dataset["answer"], model_text=result.model_text, infra_failed=result.infra_failed
+    )
     assert [r is None for r in rewards] == result.infra_failed
     assert fake.sessions and all(s.closed for s in fake.sessions)
 

@@ -12,8 +12,16 @@ from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, mak
 
 
 def record(problem, sample, correct, calls=0, errors=0, length=10, model_tokens=10, truncated=False):
-    return dict(problem=problem, sample=sample, correct=correct, num_tool_calls=calls, num_tool_errors=errors,
-                length=length, model_tokens=model_tokens, truncated=truncated)
+    return dict(
+        problem=problem,
+        sample=sample,
+        correct=correct,
+        num_tool_calls=calls,
+        num_tool_errors=errors,
+        length=length,
+        model_tokens=model_tokens,
+        truncated=truncated,
+    )
 
 
 def test_metrics_by_hand():
@@ -23,7 +31,9 @@ def test_metrics_by_hand():
         record(0, 1, True, calls=2, length=30, model_tokens=20),
         record(0, 2, False, truncated=True),
         # problem 1: all right, no code
-        record(1, 0, True), record(1, 1, True), record(1, 2, True),
+        record(1, 0, True),
+        record(1, 1, True),
+        record(1, 2, True),
     ]
     m = compute_metrics(records, num_samples=3)
     assert m["pass@1"] == 0.5
@@ -42,11 +52,11 @@ def test_score_real_rollout():
     """Scored like the reward: only the model's own final \\boxed{} counts, not one printed by code."""
     tok = make_char_tokenizer()
     scripts = [
-        "<code>print(6*7)</code>So \\boxed{42}",          # right, with code
-        "\\boxed{41}",                                    # wrong, no code
-        "<code>print('\\\\boxed{42}')</code>done",        # the answer only appears in interpreter output
-        "<code>1/0</code>oops \\boxed{42}",               # right despite an error
-        "I will think for a very long time " * 4,          # cut by the budget
+        "<code>print(6*7)</code>So \\boxed{42}",  # right, with code
+        "\\boxed{41}",  # wrong, no code
+        "<code>print('\\\\boxed{42}')</code>done",  # the answer only appears in interpreter output
+        "<code>1/0</code>oops \\boxed{42}",  # right despite an error
+        "I will think for a very long time " * 4,  # cut by the budget
     ]
     spec = RolloutSpec(max_completion_length=80, eos_token_ids=[tok.eos_token_id])
     prompts = [tok("Q: ", add_special_tokens=False)["input_ids"] for _ in scripts]
@@ -64,8 +74,14 @@ def test_evaluate_counts_and_report_files(tmp_path):
     tok = make_char_tokenizer()
     model = make_tiny_qwen2(tok).eval()
     dataset = Dataset.from_list([{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(3)])
-    args = ReToolConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, max_completion_length=12,
-                        system_prompt="none", report_to="none")
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        max_completion_length=12,
+        system_prompt="none",
+        report_to="none",
+    )
     report = evaluate(model, tok, dataset, args, num_samples=2, batch_size=4, sandbox=FakeSandbox(), progress=False)
     assert report.num_problems == 3 and report.num_samples == 2 and len(report.records) == 6
     assert sorted((r["problem"], r["sample"]) for r in report.records) == [(p, s) for p in range(3) for s in range(2)]

@@ -11,8 +11,12 @@ def test_stopper_records_where_each_sequence_stops():
     tokenizer = make_bpe_tokenizer(vocab_size=400)
     vocab = tokenizer.get_vocab()
     # A single token that contains the whole tag plus trailing text, e.g. ")</code>\n<interpreter>".
-    long_token = next(t for t in vocab if "</code>" in tokenizer.convert_tokens_to_string([t])
-                      and len(tokenizer.convert_tokens_to_string([t])) > len("</code>"))
+    long_token = next(
+        t
+        for t in vocab
+        if "</code>" in tokenizer.convert_tokens_to_string([t])
+        and len(tokenizer.convert_tokens_to_string([t])) > len("</code>")
+    )
     plain = tokenizer("abc", add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     from transformers import StopStringCriteria
@@ -33,8 +37,13 @@ def test_stopper_records_where_each_sequence_stops():
 def test_backend_respects_per_sequence_budgets():
     tokenizer = make_bpe_tokenizer(vocab_size=300)
     model = make_tiny_qwen2(tokenizer).eval()
-    config = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=50, eos_token_id=[tokenizer.eos_token_id],
-                              pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=50,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
     backend = TransformersBackend(model, tokenizer, config, "</code>", [tokenizer.eos_token_id])
     torch.manual_seed(0)
     outs = backend.generate_turn([[5, 6, 7], [8, 9], [10]], [1, 7, 20], [True, True, False])
@@ -55,14 +64,24 @@ def test_real_generate_rollout_with_forced_scripts():
 
     tokenizer = make_bpe_tokenizer(vocab_size=400)  # tags inside longer tokens
     scripts = ["Compute.<code>x = 6 * 7\nprint(x)</code>\nSo \\boxed{42}.", "The answer is \\boxed{7}."]
-    prompts = [tokenizer("Q1:", add_special_tokens=False)["input_ids"], tokenizer("Q2:", add_special_tokens=False)["input_ids"]]
+    prompts = [
+        tokenizer("Q1:", add_special_tokens=False)["input_ids"],
+        tokenizer("Q2:", add_special_tokens=False)["input_ids"],
+    ]
     assert len(prompts[0]) == len(prompts[1])
     turns = {tuple(p): script_turns(tokenizer, s) for p, s in zip(prompts, scripts)}
     model = make_tiny_qwen2(tokenizer).eval()
-    config = GenerationConfig(do_sample=True, max_new_tokens=200, eos_token_id=[tokenizer.eos_token_id],
-                              pad_token_id=tokenizer.pad_token_id)
-    backend = TransformersBackend(model, tokenizer, config, "</code>", [tokenizer.eos_token_id],
-                                  logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer)]))
+    config = GenerationConfig(
+        do_sample=True, max_new_tokens=200, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
+    )
+    backend = TransformersBackend(
+        model,
+        tokenizer,
+        config,
+        "</code>",
+        [tokenizer.eos_token_id],
+        logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer)]),
+    )
     spec = RolloutSpec(max_completion_length=200, eos_token_ids=[tokenizer.eos_token_id])
     result = interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec)
     assert result.num_tool_calls == [1, 0]
@@ -96,14 +115,22 @@ def test_kv_cache_reuse_across_turns_matches_fresh_prefill():
     # First turn scripted (so that three rows call code), the next one left to the model.
     turns = {tuple(p): [*script_turns(tokenizer, s)[:1], None] for p, s in zip(prompts, scripts)}
     model = make_tiny_qwen2(tokenizer, seed=3).double().eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=60, eos_token_id=[tokenizer.eos_token_id],
-                              pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=60, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
+    )
     results, logs = [], []
     for reuse in (True, False):
         log = []
         backend = TransformersBackend(
-            model, tokenizer, config, "</code>", [tokenizer.eos_token_id], reuse_cache=reuse,
-            logits_processor=lambda log=log: LogitsProcessorList([Recorder(log), ScriptForcingProcessor(turns, tokenizer)]),
+            model,
+            tokenizer,
+            config,
+            "</code>",
+            [tokenizer.eos_token_id],
+            reuse_cache=reuse,
+            logits_processor=lambda log=log: LogitsProcessorList(
+                [Recorder(log), ScriptForcingProcessor(turns, tokenizer)]
+            ),
         )
         spec = RolloutSpec(max_completion_length=60, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=1)
         results.append(interleaved_rollout(prompts, backend, FakeSandbox(), tokenizer, spec))

@@ -3,8 +3,8 @@
 The truth is one plain forward pass of the model over `prompt + completion` (no padding, no cache): its logits at
 position `t` are what sampling token `t + 1` should have used. Each step of every `generate` call is recorded (the raw
 scores, before any warper) and compared with that forward, over the cases that exercise the kept KV cache: stray
-code-end tags and `<code lang=..>` (turns that add no interpreter tokens), rows dropped mid-batch, interpreter blocks of
-different lengths, prompts of different lengths (left padding), and greedy and sampled decoding.
+code-end tags and `<code lang=..>` (turns that add no interpreter tokens), rows dropped mid-batch, interpreter blocks
+of different lengths, prompts of different lengths (left padding), and greedy and sampled decoding.
 """
 
 import pytest
@@ -41,7 +41,7 @@ class Recorder(LogitsProcessor):
 
 
 def record_attention_masks(model) -> tuple[list, object]:
-    """The 2-D attention mask of every forward pass `generate` makes (one per step, in order), and the hook's handle."""
+    """The 2-D attention mask of every forward pass `generate` makes (one per step, in order), and the hook."""
     masks: list = []
     handle = model.register_forward_pre_hook(
         lambda _, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
@@ -88,7 +88,12 @@ def test_every_sampled_token_matches_a_full_forward(sampling, reuse_cache):
     masks, hook = record_attention_masks(model)
     config = GenerationConfig(max_new_tokens=90, eos_token_id=[tokenizer.eos_token_id], pad_token_id=pad, **sampling)
     backend = TransformersBackend(
-        model, tokenizer, config, "</code>", [tokenizer.eos_token_id], reuse_cache=reuse_cache,
+        model,
+        tokenizer,
+        config,
+        "</code>",
+        [tokenizer.eos_token_id],
+        reuse_cache=reuse_cache,
         logits_processor=lambda: LogitsProcessorList(
             [Recorder(log), ForceTurn(turns, len(calls) - 1 if calls.append(1) is None else 0, tokenizer)]
         ),
@@ -122,8 +127,14 @@ def test_every_sampled_token_matches_a_full_forward(sampling, reuse_cache):
             position = length - len(prompts[r])  # the completion token sampled from these scores
             if not result.interpreter_mask[r][position]:  # the row stopped at the previous step, before a block
                 continue
-            torch.testing.assert_close(scores[b], truth[r][length - 1].to(scores.dtype), rtol=1e-6, atol=1e-6,
-                                       msg=lambda m: f"row {r}, completion token {position}, step {step}, width {len(row_ids)}: {m}")
+            where = f"row {r}, completion token {position}, step {step}, width {len(row_ids)}"
+            torch.testing.assert_close(
+                scores[b],
+                truth[r][length - 1].to(scores.dtype),
+                rtol=1e-6,
+                atol=1e-6,
+                msg=lambda m, where=where: f"{where}: {m}",
+            )
             checked[r].add(position)
     for r, mask in enumerate(result.interpreter_mask):  # every sampled token was checked
         assert checked[r] == {i for i, m in enumerate(mask) if m}, f"row {r}: unchecked sampled tokens"

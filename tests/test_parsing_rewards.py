@@ -51,8 +51,14 @@ def test_last_boxed(text, boxed):
 
 @pytest.mark.parametrize(
     "pred, gold, ok",
-    [("42", "42", True), ("\\frac{1}{2}", "0.5", True), ("1/2", "\\frac12", True), ("41", "42", False),
-     (None, "1", False), ("2\\sqrt{2}", "\\sqrt{8}", True)],
+    [
+        ("42", "42", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("1/2", "\\frac12", True),
+        ("41", "42", False),
+        (None, "1", False),
+        ("2\\sqrt{2}", "\\sqrt{8}", True),
+    ],
 )
 def test_is_equivalent(pred, gold, ok):
     assert is_equivalent(pred, gold) is ok
@@ -68,13 +74,20 @@ def test_boxed_accuracy_counts_only_the_models_own_answer():
     assert boxed_accuracy(completions, ["42"] * 4) == [1.0, -1.0, 1.0, -1.0]
     # model_text (from the rollout) wins over the completion text
     assert boxed_accuracy(["\\boxed{1}"], ["42"], model_text=["\\boxed{42}"]) == [1.0]
-    assert boxed_accuracy(["\\boxed{1}", "\\boxed{2}"], ["1"] * 2, correct_reward=2.0, incorrect_reward=0.0) == [2.0, 0.0]
+    assert boxed_accuracy(["\\boxed{1}", "\\boxed{2}"], ["1"] * 2, correct_reward=2.0, incorrect_reward=0.0) == [
+        2.0,
+        0.0,
+    ]
 
 
 def test_boxed_accuracy_logs_accuracy_with_and_without_code():
     logged = {}
-    boxed_accuracy(["\\boxed{1}", "\\boxed{2}", "\\boxed{1}"], ["1", "1", "1"], num_tool_calls=[1, 1, 0],
-                   log_metric=logged.__setitem__)
+    boxed_accuracy(
+        ["\\boxed{1}", "\\boxed{2}", "\\boxed{1}"],
+        ["1", "1", "1"],
+        num_tool_calls=[1, 1, 0],
+        log_metric=logged.__setitem__,
+    )
     assert logged == {"retool/accuracy_with_code": 0.5, "retool/accuracy_without_code": 1.0}
 
 

@@ -68,7 +68,7 @@ def test_shipped_model_is_small_and_copies_expressions_into_code():
     batch = tokenizer(list(problems["prompt"]), return_tensors="pt", padding=True)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     # Greedy decoding always calls code (sampling sometimes answers directly); the expression must be copied.
     copied = [t.startswith(f"<code>print({e})</code>") for t, e in zip(texts, problems["expression"])]
     assert sum(copied) >= 22, texts
@@ -95,7 +95,12 @@ def test_cli_reports_bad_values_in_one_line(capsys):
 
 def test_quickstart_run_folder(tmp_path, capsys):
     summary = run_quickstart(
-        tmp_path / "run", max_steps=2, prompts_per_step=2, num_generations=4, num_train=8, num_eval=8,
+        tmp_path / "run",
+        max_steps=2,
+        prompts_per_step=2,
+        num_generations=4,
+        num_train=8,
+        num_eval=8,
     )
     out = tmp_path / "run"
     written = json.loads((out / "summary.json").read_text())

@@ -43,7 +43,9 @@ def test_budget_refuses_long_cells_without_running_them(budget_sandbox):
 def test_budget_leaves_infrastructure_failures_alone():
     class Broken:
         def run_many(self, pairs):
-            return [ExecResult("SandboxError: worker lost\nline two", False, False, 0.0, infra_error=True)] * len(pairs)
+            return [ExecResult("SandboxError: worker lost\nline two", False, False, 0.0, infra_error=True)] * len(
+                pairs
+            )
 
     (result,) = CellBudgetSandbox(Broken()).run_many([(None, "a=1")])
     assert result.infra_error and result.output == "SandboxError: worker lost\nline two"
@@ -85,7 +87,10 @@ def test_reward_logs_recovery_of_the_step():
     logged = {}
     completions = ["\\boxed{5}", "\\boxed{4}", "\\boxed{5}"]
     rewards = boxed_accuracy_and_recovery(
-        completions, ["5", "5", "5"], model_text=completions, num_tool_errors=[1, 1, 0],
+        completions,
+        ["5", "5", "5"],
+        model_text=completions,
+        num_tool_errors=[1, 1, 0],
         log_metric=lambda name, value: logged.setdefault(name, value),
     )
     assert rewards == [1.0, -1.0, 1.0]
@@ -93,15 +98,27 @@ def test_reward_logs_recovery_of_the_step():
     # The log follows correctness, whatever reward values are configured.
     logged.clear()
     rewards = boxed_accuracy_and_recovery(
-        completions, ["5", "5", "5"], model_text=completions, num_tool_errors=[1, 1, 0], correct_reward=2.0,
-        incorrect_reward=0.0, log_metric=lambda name, value: logged.setdefault(name, value),
+        completions,
+        ["5", "5", "5"],
+        model_text=completions,
+        num_tool_errors=[1, 1, 0],
+        correct_reward=2.0,
+        incorrect_reward=0.0,
+        log_metric=lambda name, value: logged.setdefault(name, value),
     )
     assert rewards == [2.0, 0.0, 2.0] and logged["retool/recovery_rate"] == 0.5
 
 
 def test_compact_progress_line():
-    logs = {"reward": 0.5, "rewards/boxed_accuracy_and_recovery/mean": 0.5, "retool/code_ratio": 0.984,
-            "retool/calls_per_completion": 2.125, "retool/recovery_rate": 0.8, "loss": 0.01, "kl": 0.2}
+    logs = {
+        "reward": 0.5,
+        "rewards/boxed_accuracy_and_recovery/mean": 0.5,
+        "retool/code_ratio": 0.984,
+        "retool/calls_per_completion": 2.125,
+        "retool/recovery_rate": 0.8,
+        "loss": 0.01,
+        "kl": 0.2,
+    }
     assert CompactProgressCallback.summary(logs) == "reward +0.50 | acc 75% | code 98% | calls 2.1 | recovery 80%"
 
 
@@ -115,7 +132,12 @@ def test_cli_rejects_an_unknown_task(capsys):
 
 def test_multiturn_quickstart_end_to_end(tmp_path, capsys):
     summary = run_quickstart(
-        tmp_path / "run", task="multiturn", max_steps=2, prompts_per_step=2, num_generations=2, num_train=4,
+        tmp_path / "run",
+        task="multiturn",
+        max_steps=2,
+        prompts_per_step=2,
+        num_generations=2,
+        num_train=4,
         num_eval=4,
     )
     out = tmp_path / "run"
@@ -180,16 +202,35 @@ def test_shipped_model_solves_in_dependent_cells_and_needs_the_session_state():
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     task = MultiturnTask()
     args = QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS)
-    config = _rl_config(args, Path("unused"), True, max_tool_calls=task.max_tool_calls,
-                        max_interpreter_output_chars=task.max_interpreter_output_chars,
-                        generation_kwargs={"do_sample": False})
+    config = _rl_config(
+        args,
+        Path("unused"),
+        True,
+        max_tool_calls=task.max_tool_calls,
+        max_interpreter_output_chars=task.max_interpreter_output_chars,
+        generation_kwargs={"do_sample": False},
+    )
     problems = make_multiturn_splits(1, 16, seed=3)["test"]
     sandbox = build_sandbox("local", num_workers=1, timeout_s=5.0)
     try:
-        with_state = evaluate(model, tokenizer, problems, config, batch_size=16, progress=False,
-                              sandbox=CellBudgetSandbox(sandbox, task.max_cell_chars))
-        without_state = evaluate(model, tokenizer, problems, config, batch_size=16, progress=False,
-                                 sandbox=CellBudgetSandbox(_FreshSessionPerCell(sandbox), task.max_cell_chars))
+        with_state = evaluate(
+            model,
+            tokenizer,
+            problems,
+            config,
+            batch_size=16,
+            progress=False,
+            sandbox=CellBudgetSandbox(sandbox, task.max_cell_chars),
+        )
+        without_state = evaluate(
+            model,
+            tokenizer,
+            problems,
+            config,
+            batch_size=16,
+            progress=False,
+            sandbox=CellBudgetSandbox(_FreshSessionPerCell(sandbox), task.max_cell_chars),
+        )
     finally:
         sandbox.close()
     solved = [r for r in with_state.records if r["correct"]]

@@ -35,8 +35,15 @@ def baseline_children():
 def sandbox(baseline_children):
     os.environ["HF_TOKEN"] = "secret123"  # set before the sandbox starts: it must still not see it
     try:
-        with LocalSandbox(num_workers=2, timeout_s=TIMEOUT_S, memory_mb=512, max_processes=MAX_PROCESSES,
-                          max_file_size_mb=4, max_open_files=32, max_output_chars=2000) as sb:
+        with LocalSandbox(
+            num_workers=2,
+            timeout_s=TIMEOUT_S,
+            memory_mb=512,
+            max_processes=MAX_PROCESSES,
+            max_file_size_mb=4,
+            max_open_files=32,
+            max_output_chars=2000,
+        ) as sb:
             yield sb
     finally:
         os.environ.pop("HF_TOKEN", None)
@@ -105,8 +112,10 @@ def test_cpu_time_limit():
 
 @pytest.mark.parametrize(
     "code",
-    ["blocks = [bytearray(1 << 20)]\nwhile True:\n    blocks.append(bytearray(len(blocks[-1]) * 8))",
-     "import numpy\nnumpy.ones((1 << 15, 1 << 15))"],
+    [
+        "blocks = [bytearray(1 << 20)]\nwhile True:\n    blocks.append(bytearray(len(blocks[-1]) * 8))",
+        "import numpy\nnumpy.ones((1 << 15, 1 << 15))",
+    ],
     ids=["growing", "numpy"],
 )
 def test_memory_bomb(sandbox, code):
@@ -240,8 +249,9 @@ def test_threads_do_not_outlive_the_cell(sandbox):
         "threading.Thread(target=spin, daemon=True).start()\ntime.sleep(0.05)\nprint('started')"
     )
     assert r.output.startswith("started")
-    r = s.run("import time, threading\nn = len(ticks)\ntime.sleep(0.2)\n"
-              "print(len(ticks) - n, threading.active_count())")
+    r = s.run(
+        "import time, threading\nn = len(ticks)\ntime.sleep(0.2)\nprint(len(ticks) - n, threading.active_count())"
+    )
     assert r.output == "0 1\n", r
     s.close()
 
@@ -287,12 +297,14 @@ def test_no_leftover_processes_after_close(sandbox, baseline_children):
     """Kept last: closes the module's sandbox too, then nothing of either may remain (no zombies either)."""
     with LocalSandbox(num_workers=2, timeout_s=1.0, max_processes=MAX_PROCESSES, preload=()) as sb:
         sessions = [sb.session() for _ in range(4)]
-        sb.run_many([
-            (sessions[0], "import subprocess\np = subprocess.Popen(['sleep', '100'])"),
-            (sessions[1], "import threading, time\nthreading.Thread(target=time.sleep, args=(100,)).start()"),
-            (sessions[2], "while True:\n    pass"),
-            (sessions[3], "x = 1"),
-        ])
+        sb.run_many(
+            [
+                (sessions[0], "import subprocess\np = subprocess.Popen(['sleep', '100'])"),
+                (sessions[1], "import threading, time\nthreading.Thread(target=time.sleep, args=(100,)).start()"),
+                (sessions[2], "while True:\n    pass"),
+                (sessions[3], "x = 1"),
+            ]
+        )
         sessions[3].close()
     sandbox.close()
     deadline = time.monotonic() + 5

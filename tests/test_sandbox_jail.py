@@ -60,8 +60,16 @@ def bounded_test_process():
 
 @pytest.fixture(scope="module")
 def sandbox():
-    with LocalSandbox(num_workers=2, timeout_s=2.0, memory_mb=512, max_processes=32, max_output_chars=1000,
-                      scratch_mb=16, max_files=2000, preload=()) as sb:
+    with LocalSandbox(
+        num_workers=2,
+        timeout_s=2.0,
+        memory_mb=512,
+        max_processes=32,
+        max_output_chars=1000,
+        scratch_mb=16,
+        max_files=2000,
+        preload=(),
+    ) as sb:
         yield sb
 
 
@@ -124,8 +132,10 @@ def test_concurrent_deaths_beside_sleepers_settle_every_cell(sandbox):
     for _ in range(3):
         crashers = [sandbox.session() for _ in range(4)]
         sleepers = [sandbox.session() for _ in range(8)]
-        results = sandbox.run_many([(s, "import os\nos._exit(1)") for s in crashers]
-                                   + [(s, "import time\ntime.sleep(1)\nprint('slept')") for s in sleepers])
+        results = sandbox.run_many(
+            [(s, "import os\nos._exit(1)") for s in crashers]
+            + [(s, "import time\ntime.sleep(1)\nprint('slept')") for s in sleepers]
+        )
         for r in results[:4]:
             assert not r.ok and not r.infra_error and not r.timed_out, r
             assert "exited with code 1" in _last_line(r)
@@ -163,8 +173,10 @@ def test_nothing_of_the_sandbox_survives_close():
     before = _sandbox_processes()  # the module's sandbox
     with LocalSandbox(num_workers=2, timeout_s=1.0, preload=()) as sb:
         sessions = [sb.session() for _ in range(6)]
-        sb.run_many([(s, "import os\nos._exit(1)") for s in sessions[:3]]
-                    + [(s, "import subprocess\nsubprocess.Popen(['sleep', '100'])") for s in sessions[3:]])
+        sb.run_many(
+            [(s, "import os\nos._exit(1)") for s in sessions[:3]]
+            + [(s, "import subprocess\nsubprocess.Popen(['sleep', '100'])") for s in sessions[3:]]
+        )
     deadline = time.monotonic() + 10
     while (left := _sandbox_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -177,9 +189,11 @@ def test_nothing_of_the_sandbox_survives_close():
 def test_tmp_is_private_bounded_and_gone_after_close(sandbox, report):
     _require(report, "jail_per_session")
     a, b = sandbox.session(), sandbox.session()
-    fill = a.run("open('/tmp/secret', 'w').write('a')\nblock = b'x' * (1 << 20)\nn = 0\ntry:\n"
-                 "    with open('/tmp/fill', 'wb') as f:\n        while n < 64:\n            f.write(block)\n"
-                 "            f.flush()\n            n += 1\nexcept OSError as e:\n    print('full', e.errno)")
+    fill = a.run(
+        "open('/tmp/secret', 'w').write('a')\nblock = b'x' * (1 << 20)\nn = 0\ntry:\n"
+        "    with open('/tmp/fill', 'wb') as f:\n        while n < 64:\n            f.write(block)\n"
+        "            f.flush()\n            n += 1\nexcept OSError as e:\n    print('full', e.errno)"
+    )
     assert "full 28" in fill.output, fill  # ENOSPC at scratch_mb=16 in A's own /tmp
     assert b.run("import os\nprint(os.path.exists('/tmp/secret'))").output == "False\n"
     assert b.run("open('/tmp/mine', 'w').write('b' * 100000)").ok  # A's full /tmp is not B's
@@ -191,16 +205,20 @@ def test_tmp_is_private_bounded_and_gone_after_close(sandbox, report):
 def test_network_and_abstract_sockets_are_private(sandbox, report):
     _require(report, "jail_per_session")
     a, b = sandbox.session(), sandbox.session()
-    listen = ("import socket\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 0))\nsrv.listen()\n"
-              "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0retool-jail-test')\nu.listen()\n"
-              "print(srv.getsockname()[1])")
+    listen = (
+        "import socket\nsrv = socket.socket()\nsrv.bind(('127.0.0.1', 0))\nsrv.listen()\n"
+        "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0retool-jail-test')\nu.listen()\n"
+        "print(srv.getsockname()[1])"
+    )
     port = int(a.run(listen).output)
     assert a.run(f"socket.create_connection(('127.0.0.1', {port}), 1).close()").ok  # it does listen
-    probe = b.run(f"import socket\nfor addr in [('127.0.0.1', {port})]:\n    try:\n"
-                  "        socket.create_connection(addr, 1)\n        print('tcp reached')\n"
-                  "    except OSError:\n        print('tcp refused')\nu = socket.socket(socket.AF_UNIX)\ntry:\n"
-                  "    u.connect('\\0retool-jail-test')\n    print('unix reached')\nexcept OSError:\n"
-                  "    print('unix refused')")
+    probe = b.run(
+        f"import socket\nfor addr in [('127.0.0.1', {port})]:\n    try:\n"
+        "        socket.create_connection(addr, 1)\n        print('tcp reached')\n"
+        "    except OSError:\n        print('tcp refused')\nu = socket.socket(socket.AF_UNIX)\ntry:\n"
+        "    u.connect('\\0retool-jail-test')\n    print('unix reached')\nexcept OSError:\n"
+        "    print('unix refused')"
+    )
     assert probe.output == "tcp refused\nunix refused\n", probe
 
 
@@ -235,10 +253,12 @@ def test_own_process_tree(sandbox, report):
 
 def test_memory_is_bounded_for_the_whole_session(report):
     _require(report, "memory_cgroup")
-    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        block = bytearray(150 << 20)\n        for i in range(0, len(block), 4096):\n"
-            "            block[i] = 1\n        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
-            "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids), 'held')")
+    code = (
+        "import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        block = bytearray(150 << 20)\n        for i in range(0, len(block), 4096):\n"
+        "            block[i] = 1\n        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
+        "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids), 'held')"
+    )
     with LocalSandbox(num_workers=1, timeout_s=20.0, memory_mb=256, preload=()) as sb:
         r = sb.session().run(code)
     assert not (r.ok and r.output == "4 held\n"), r  # 600 MB at once cannot fit in one 256 MB session
@@ -248,10 +268,13 @@ def test_memory_is_bounded_for_the_whole_session(report):
 # ---------------------------------------------------------------------- finding 5: no privilege inside
 
 
-@pytest.mark.parametrize("code", [
-    "import ctypes\nprint(ctypes.CDLL(None, use_errno=True).unshare(0x10000000), ctypes.get_errno())",
-    "import subprocess\nprint(subprocess.run(['unshare', '-r', '-m', 'true']).returncode != 0)",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import ctypes\nprint(ctypes.CDLL(None, use_errno=True).unshare(0x10000000), ctypes.get_errno())",
+        "import subprocess\nprint(subprocess.run(['unshare', '-r', '-m', 'true']).returncode != 0)",
+    ],
+)
 def test_no_user_namespaces_inside(sandbox, report, code):
     _require(report, "seccomp")
     r = sandbox.session().run(code)
@@ -264,8 +287,10 @@ def test_no_user_namespaces_inside(sandbox, report, code):
 def test_many_files_are_bounded_and_do_not_stall_others(sandbox, report):
     _require(report, "jail_per_session")
     s, other = sandbox.session(), sandbox.session()
-    r = s.run("import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n"
-              "        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
+    r = s.run(
+        "import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n"
+        "        n += 1\nexcept OSError as e:\n    print(n, e.errno)"
+    )
     count, err = map(int, r.output.split())
     assert count < 2000 and err == 28, r  # max_files inodes in its /tmp
     s.close()
@@ -290,7 +315,8 @@ def test_root_without_isolation_is_refused_unless_asked_for():
 
 
 def test_output_is_valid_text_whatever_is_printed(sandbox):
-    r = sandbox.session().run("import sys, os\nprint(chr(0xD800))\nsys.stdout.buffer.write(b'\\xff\\n')\n"
-                              "os.write(1, b'\\xfe\\n')")
+    r = sandbox.session().run(
+        "import sys, os\nprint(chr(0xD800))\nsys.stdout.buffer.write(b'\\xff\\n')\nos.write(1, b'\\xfe\\n')"
+    )
     r.output.encode("utf-8")  # strict: no lone surrogates
     assert r.ok and r.output.count("\ufffd") + r.output.count("?") >= 3, r

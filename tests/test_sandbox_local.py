@@ -106,8 +106,10 @@ def test_expression_display(sandbox):
 
 def test_stdout_stderr_and_native_output_are_captured(sandbox):
     s = sandbox.session()
-    r = s.run("import sys, os, subprocess\nprint('out')\nprint('err', file=sys.stderr)\nos.write(1, b'native\\n')\n"
-              "subprocess.run(['echo', 'child'])")
+    r = s.run(
+        "import sys, os, subprocess\nprint('out')\nprint('err', file=sys.stderr)\nos.write(1, b'native\\n')\n"
+        "subprocess.run(['echo', 'child'])"
+    )
     assert r.ok
     for piece in ("out\n", "err\n", "native\n", "child\n"):
         assert piece in r.output
@@ -168,8 +170,10 @@ def test_cpu_bound_cells_do_not_oversubscribe_the_workers():
     with LocalSandbox(num_workers=1, timeout_s=10.0, preload=()) as sb:
         a, b = sb.session(), sb.session()
         sb.run_many([(a, "import time"), (b, "import time")])
-        burn = "start = time.time()\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n" \
-               "print(start, time.time())"
+        burn = (
+            "start = time.time()\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+            "print(start, time.time())"
+        )
         first, second = (tuple(map(float, r.output.split())) for r in sb.run_many([(a, burn), (b, burn)]))
     assert second[0] >= first[1] - 0.02 or first[0] >= second[1] - 0.02, (first, second)
 
@@ -243,8 +247,10 @@ def test_scratch_directory_is_fresh_private_and_removed(sandbox):
     # Private /tmp per session (a jail): the path does not exist for B; without jails, B lacks the permission.
     assert not peek.ok and ("PermissionError" in peek.output or "FileNotFoundError" in peek.output)
     a.close()
-    gone = b.run(f"import os, time\nfor _ in range(100):\n    if not os.path.exists({where!r}): break\n"
-                 "    time.sleep(0.02)\nprint(os.path.exists(" + repr(where) + "))")
+    gone = b.run(
+        f"import os, time\nfor _ in range(100):\n    if not os.path.exists({where!r}): break\n"
+        "    time.sleep(0.02)\nprint(os.path.exists(" + repr(where) + "))"
+    )
     assert gone.output == "False\n"
     b.close()
 
@@ -278,8 +284,13 @@ def test_sandbox_is_closed_at_interpreter_exit(tmp_path):
         "sb = LocalSandbox(num_workers=1, preload=())\nsb.session().run('x = 1')\n"
         "import psutil\nprint(','.join(str(p.pid) for p in psutil.Process().children(recursive=True)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr
     pids = [int(p) for p in proc.stdout.strip().split(",") if p]
     assert pids
@@ -298,10 +309,17 @@ def test_build_sandbox():
 
 
 def test_package_imports_without_torch():
-    code = "import sys, retool_trl.sandbox as s; s.build_sandbox; print(sorted(m for m in ('torch', 'transformers', " \
-           "'trl') if m in sys.modules))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, retool_trl.sandbox as s; s.build_sandbox; print(sorted(m for m in ('torch', 'transformers', "
+        "'trl') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -328,7 +346,12 @@ def test_forked_child_exiting_does_not_stop_the_parents_sandbox():
         "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
         "print(s.run('print(x)').output, end='')\nsb.close()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "1\n"

@@ -58,17 +58,34 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, {"status": "SandboxError", "message": "executor pod died", "run_result": None})
         start = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, "-I", "-c", request["code"]], capture_output=True, text=True, errors="surrogateescape",
-                                  timeout=float(request["run_timeout"]))
+            proc = subprocess.run(
+                [sys.executable, "-I", "-c", request["code"]],
+                capture_output=True,
+                text=True,
+                errors="surrogateescape",
+                timeout=float(request["run_timeout"]),
+            )
             run = {"status": "Finished", "return_code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
         except subprocess.TimeoutExpired as exc:
-            run = {"status": "TimeLimitExceeded", "return_code": None,
-                   "stdout": (exc.stdout or b"").decode(errors="replace"),
-                   "stderr": (exc.stderr or b"").decode(errors="replace")}
+            run = {
+                "status": "TimeLimitExceeded",
+                "return_code": None,
+                "stdout": (exc.stdout or b"").decode(errors="replace"),
+                "stderr": (exc.stderr or b"").decode(errors="replace"),
+            }
         run["execution_time"] = time.monotonic() - start
         ok = run["status"] == "Finished" and run["return_code"] == 0
-        self._reply(200, {"status": "Success" if ok else "Failed", "message": "", "compile_result": None,
-                          "run_result": run, "executor_pod_name": None, "files": {}})
+        self._reply(
+            200,
+            {
+                "status": "Success" if ok else "Failed",
+                "message": "",
+                "compile_result": None,
+                "run_result": run,
+                "executor_pod_name": None,
+                "files": {},
+            },
+        )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +101,9 @@ def server():
 @pytest.fixture
 def sandbox(server):
     server.failures.clear()
-    with RemoteSandbox(server.url, timeout_s=3.0, max_concurrency=8, retries=2, backoff_s=0.01,
-                       max_output_chars=500) as sb:
+    with RemoteSandbox(
+        server.url, timeout_s=3.0, max_concurrency=8, retries=2, backoff_s=0.01, max_output_chars=500
+    ) as sb:
         yield sb
 
 

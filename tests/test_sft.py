@@ -36,8 +36,16 @@ def chat_tokenizer():
 
 def _sft_config(tmp_path, **kwargs):
     return SFTConfig(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none", use_cpu=True,
-        bf16=False, save_strategy="no", logging_steps=1, max_length=None, **kwargs,
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        logging_steps=1,
+        max_length=None,
+        **kwargs,
     )
 
 
@@ -54,7 +62,9 @@ def test_split_environment_spans():
     ]
     custom = Tags("<py>", "</py>", "<out>", "</out>")
     assert split_environment_spans("<py>print(1)</py><out>1\n</out>ok", custom) == [
-        ("<py>print(1)</py>", True), ("<out>1\n</out>", False), ("ok", True)
+        ("<py>print(1)</py>", True),
+        ("<out>1\n</out>", False),
+        ("ok", True),
     ]
 
 

@@ -17,13 +17,26 @@ TOKENIZER = make_char_tokenizer()
 
 
 def trainer_for(tmp_path, scripts, sandbox=None, reward_funcs=None, group=4, batch=4, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=batch, num_generations=group,
-                  max_completion_length=96, report_to="none", bf16=False, use_cpu=True, beta=0.0, seed=0)
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=batch,
+        num_generations=group,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+        seed=0,
+    )
     values.update(overrides)
-    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", TOKENIZER), reward_funcs=reward_funcs,
-                            args=ReToolConfig(**values),
-                            train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * batch),
-                            processing_class=TOKENIZER, sandbox=sandbox or FakeSandbox())
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", TOKENIZER),
+        reward_funcs=reward_funcs,
+        args=ReToolConfig(**values),
+        train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * batch),
+        processing_class=TOKENIZER,
+        sandbox=sandbox or FakeSandbox(),
+    )
     trainer._make_generation_backend = lambda model: ScriptedBackend(TOKENIZER, scripts)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -129,8 +142,14 @@ def test_resample_on_correct_keeps_proportions_and_clean_positives():
 
 def test_trainer_oversamples_and_keeps_group_size(tmp_path):
     scripts = [  # 2 x 4 samples for one prompt: 4 right (two with a tool error), 4 wrong
-        "<code>1/0</code>\\boxed{42}", "\\boxed{42}", "<code>print(6*7)</code>\\boxed{42}", "<code>x</code>\\boxed{42}",
-        "\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}",
+        "<code>1/0</code>\\boxed{42}",
+        "\\boxed{42}",
+        "<code>print(6*7)</code>\\boxed{42}",
+        "<code>x</code>\\boxed{42}",
+        "\\boxed{1}",
+        "\\boxed{2}",
+        "\\boxed{3}",
+        "\\boxed{4}",
     ]
     trainer = trainer_for(tmp_path, scripts, roc_oversample=2)
     seen = {}
@@ -152,8 +171,11 @@ def test_trainer_oversamples_and_keeps_group_size(tmp_path):
 # ------------------------------------------------------------------------------------------------ truncation side
 @pytest.mark.parametrize("side, keeps", [("head", "START"), ("tail", "END"), ("middle", "START")])
 def test_interpreter_truncation_side(side, keeps):
-    result = rollout(["<code>print('START' + 'x' * 500 + 'END')</code>done"], max_interpreter_output_chars=80,
-                     interpreter_truncation=side)
+    result = rollout(
+        ["<code>print('START' + 'x' * 500 + 'END')</code>done"],
+        max_interpreter_output_chars=80,
+        interpreter_truncation=side,
+    )
     env = TOKENIZER.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
     body = env[len("<interpreter>") : -len("</interpreter>")]
     assert len(body) <= 80 and keeps in body

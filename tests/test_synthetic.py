@@ -114,7 +114,9 @@ def test_sft_traces_use_configured_tags():
         code_start, code_end, interpreter_start, interpreter_end = "<py>", "</py>", "<out>", "</out>"
 
     traces = make_sft_traces(20, seed=0, code_fraction=1.0, tags=Tags())
-    assert all(c.startswith("<py>print(") and "</py><out>" in c and "</out>\\boxed{" in c for c in traces["completion"])
+    assert all(
+        c.startswith("<py>print(") and "</py><out>" in c and "</out>\\boxed{" in c for c in traces["completion"]
+    )
 
 
 def test_first_task_draws_are_pinned():

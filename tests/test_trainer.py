@@ -225,18 +225,30 @@ def test_config_rejects_bad_fields(tmp_path):
 
 def test_trainer_rejects_conflicting_arguments(tmp_path, char_tokenizer):
     with pytest.raises(TypeError, match="ReToolConfig"):
-        ReToolTrainer(save_tiny_model(tmp_path / 'model', char_tokenizer), args=GRPOConfig(**config(tmp_path)),
-                      processing_class=char_tokenizer, train_dataset=Dataset.from_list(batch(8)))
+        ReToolTrainer(
+            save_tiny_model(tmp_path / "model", char_tokenizer),
+            args=GRPOConfig(**config(tmp_path)),
+            processing_class=char_tokenizer,
+            train_dataset=Dataset.from_list(batch(8)),
+        )
     with pytest.raises(ValueError, match="tools"):
-        ReToolTrainer(save_tiny_model(tmp_path / 'model', char_tokenizer), args=ReToolConfig(**config(tmp_path)), tools=[print],
-                      processing_class=char_tokenizer, train_dataset=Dataset.from_list(batch(8)))
+        ReToolTrainer(
+            save_tiny_model(tmp_path / "model", char_tokenizer),
+            args=ReToolConfig(**config(tmp_path)),
+            tools=[print],
+            processing_class=char_tokenizer,
+            train_dataset=Dataset.from_list(batch(8)),
+        )
 
 
 def test_system_prompt_is_added_to_conversational_prompts(tmp_path, char_tokenizer):
     args = ReToolConfig(**config(tmp_path, system_prompt="Use code."))
     trainer = scripted_trainer(tmp_path, char_tokenizer)
     trainer.args = args
-    prompts = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "own"}, {"role": "user", "content": "x"}]]
+    prompts = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "own"}, {"role": "user", "content": "x"}],
+    ]
     out = trainer._with_system_prompt(prompts)
     assert out[0][0] == {"role": "system", "content": "Use code."} and out[1][0]["content"] == "own"
     assert trainer._with_system_prompt(["plain text"]) == ["plain text"]

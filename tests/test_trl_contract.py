@@ -32,8 +32,15 @@ def test_rollout_func_seam_and_generate_return_shape(tmp_path, char_tokenizer):
     trainer = GRPOTrainer(
         save_tiny_model(tmp_path / "m", char_tokenizer),
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-                        max_completion_length=8, report_to="none", bf16=False, use_cpu=True),
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            num_generations=2,
+            max_completion_length=8,
+            report_to="none",
+            bf16=False,
+            use_cpu=True,
+        ),
         train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "a"}]),
         processing_class=char_tokenizer,
         rollout_func=rollout,
@@ -59,7 +66,11 @@ def test_private_members_used_by_the_trainer_exist():
         assert callable(getattr(GRPOTrainer, name)), name
     assert list(inspect.signature(GRPOTrainer._tokenize_prompts).parameters) == ["self", "prompts"]
     assert list(inspect.signature(GRPOTrainer._calculate_rewards).parameters) == [
-        "self", "inputs", "prompts", "completions", "completion_ids_list"
+        "self",
+        "inputs",
+        "prompts",
+        "completions",
+        "completion_ids_list",
     ]
     source = inspect.getsource(GRPOTrainer.__init__)
     for attribute in ("self.generation_config", "self.generation_kwargs", "self.eos_token_ids", "self._dist"):
@@ -76,10 +87,20 @@ def test_vllm_generation_state_the_backends_read():
     source = inspect.getsource(VLLMGeneration)
     used = [
         # the barrier backend: per-call budget, stop strings, collective mode, sleep-mode handling
-        "mode", "tensor_parallel_size", "max_completion_length", "generation_kwargs", "enable_sleep_mode",
-        "_llm_weights_sleeping", "llm",
+        "mode",
+        "tensor_parallel_size",
+        "max_completion_length",
+        "generation_kwargs",
+        "enable_sleep_mode",
+        "_llm_weights_sleeping",
+        "llm",
         # the async rollout: TRL's server-mode sampling settings, sent with each request
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "structured_outputs_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "structured_outputs_regex",
     ]
     missing = [name for name in used if f"self.{name} =" not in source]
     assert not missing, f"VLLMGeneration no longer sets {missing}"

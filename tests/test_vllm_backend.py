@@ -8,6 +8,7 @@ from datasets import Dataset
 
 from retool_trl import ReToolConfig
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.vllm_backend import VLLMBackend, first_stop
 from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
@@ -15,7 +16,6 @@ from testing_utils import (
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
-from retool_trl.vllm_backend import VLLMBackend, first_stop
 
 SCRIPTS = [
     "A<code>x = 5\nprint(x * 2)</code>B<code>print(x)</code>C \\boxed{5}",
@@ -83,11 +83,23 @@ def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
     from testing_utils import save_tiny_model
 
     tokenizer = make_char_tokenizer(extra_chars="∑")
-    args = ReToolConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,
-                        max_completion_length=64, report_to="none", bf16=False, use_cpu=True)
-    trainer = ReToolTrainer(save_tiny_model(tmp_path / "m", tokenizer), reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
-                            args=args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
-                            processing_class=tokenizer, sandbox=FakeSandbox())
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=64,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+    )
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", tokenizer),
+        reward_funcs=lambda completions, **k: [0.0, 1.0, 2.0],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 3),
+        processing_class=tokenizer,
+        sandbox=FakeSandbox(),
+    )
     # Turn vLLM on after construction (vLLM is not installed here): TRL's own `_generate` path is then taken.
     trainer.use_vllm, trainer.vllm_generation = True, FakeVLLMGeneration(tokenizer, SCRIPTS)
     trainer._last_loaded_step = 0
@@ -112,7 +124,10 @@ def test_stop_is_per_row_so_rows_without_calls_left_cost_no_extra_engine_call():
     from retool_trl.metrics import rollout_metrics
 
     tokenizer = make_char_tokenizer()
-    scripts = ["<code>print(1)</code>a<code>print(2)</code>b<code>print(3)</code>c \\boxed{3}", "<code>print(4)</code>d"]
+    scripts = [
+        "<code>print(1)</code>a<code>print(2)</code>b<code>print(3)</code>c \\boxed{3}",
+        "<code>print(4)</code>d",
+    ]
     fake = FakeVLLMGeneration(tokenizer, scripts)
     backend = VLLMBackend(fake, tokenizer, "</code>")
     prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"] for _ in scripts]
@@ -125,7 +140,6 @@ def test_stop_is_per_row_so_rows_without_calls_left_cost_no_extra_engine_call():
     assert [(r["n"], r["stop"]) for r in fake.requests] == [(2, ["</code>"]), (2, [])]
     assert result.engine_calls == [2, 2]
     assert rollout_metrics(result, lambda t: t)["retool/engine_calls_per_rollout"] == 2.0
-
 
 
 def test_rows_with_and_without_calls_left_go_to_separate_requests():

@@ -153,8 +153,13 @@ KNOWN_DATASETS: dict[str, DatasetSpec] = {
     "math500": DatasetSpec("HuggingFaceH4/MATH-500", "test", math500_example, None, ("problem", "answer")),
     "gsm8k": DatasetSpec("openai/gsm8k", "test", gsm8k_example, "main", ("question", "answer")),
 }
-_ALIASES = {"dapo": "dapo_math", "dapo_math_17k": "dapo_math", "aime24": "aime_2024", "aime25": "aime_2025",
-            "math_500": "math500"}
+_ALIASES = {
+    "dapo": "dapo_math",
+    "dapo_math_17k": "dapo_math",
+    "aime24": "aime_2024",
+    "aime25": "aime_2025",
+    "math_500": "math500",
+}
 
 
 def find_known_dataset(name: str) -> DatasetSpec | None:
@@ -209,8 +214,10 @@ def _generic_mapping(column_names: Sequence[str], prompt_column: str | None, ans
     answer_col = choose(answer_column, ANSWER_COLUMNS, "answer", "answer_column")
     if answer_col is None and "reward_model" in column_names:
         answer_col = "reward_model"  # verl's RL parquet layout: reward_model.ground_truth
-    for col, option, candidates in ((prompt_col, "prompt_column", PROMPT_COLUMNS), (answer_col, "answer_column",
-                                                                                      ANSWER_COLUMNS)):
+    for col, option, candidates in (
+        (prompt_col, "prompt_column", PROMPT_COLUMNS),
+        (answer_col, "answer_column", ANSWER_COLUMNS),
+    ):
         if col is None:
             raise DataError(
                 f"dataset {source} has no {option.split('_')[0]} column (looked for {', '.join(candidates)}; "
@@ -323,8 +330,11 @@ def load_math_dataset(
             from datasets import load_dataset
 
             hub_id = spec.hub_id if spec else name
-            raw = load_dataset(hub_id, config_name or (spec.config_name if spec else None),
-                               split=split or (spec.split if spec else "train"))
+            raw = load_dataset(
+                hub_id,
+                config_name or (spec.config_name if spec else None),
+                split=split or (spec.split if spec else "train"),
+            )
             source = repr(hub_id)
         if spec is not None and prompt_column is None and answer_column is None:
             missing = [c for c in spec.columns if c not in raw.column_names]

@@ -188,9 +188,7 @@ def code_trace(problem: Problem, tags=None) -> str:
     exactly as the rollout appends it (`print` output, trailing newline included), then `\boxed{answer}`."""
     code_start, code_end, interp_start, interp_end = _tags(tags)
     result = str(problem.answer)
-    return (
-        f"{code_start}print({problem.expression}){code_end}{interp_start}{result}\n{interp_end}\\boxed{{{result}}}"
-    )
+    return f"{code_start}print({problem.expression}){code_end}{interp_start}{result}\n{interp_end}\\boxed{{{result}}}"
 
 
 def direct_trace(problem: Problem) -> str:
@@ -293,7 +291,10 @@ def multiturn_cells(problem: Problem) -> tuple[str, str]:
 
 
 def multiturn_trace(
-    problem: Problem, failure: str | None = None, recovers: bool = True, max_cell_chars: int = MULTITURN_CELL_CHARS,
+    problem: Problem,
+    failure: str | None = None,
+    recovers: bool = True,
+    max_cell_chars: int = MULTITURN_CELL_CHARS,
     tags=None,
 ) -> str:
     r"""The completion of a model that solves a multi-turn problem in cells, possibly after a failing cell.
@@ -361,8 +362,7 @@ def make_multiturn_sft_traces(
     for _ in problems:
         failures.append(rng.choice(FAILURES) if rng.random() < failure_fraction else None)
         recovers.append(failures[-1] is None or rng.random() < recover_fraction)
-    completions = [
-        multiturn_trace(p, f, r, max_cell_chars, tags) for p, f, r in zip(problems, failures, recovers)
-    ]
-    return _to_dataset(problems, {"completion": completions, "failure": [f or "" for f in failures],
-                                  "recovers": recovers})
+    completions = [multiturn_trace(p, f, r, max_cell_chars, tags) for p, f, r in zip(problems, failures, recovers)]
+    return _to_dataset(
+        problems, {"completion": completions, "failure": [f or "" for f in failures], "recovers": recovers}
+    )

@@ -35,7 +35,8 @@ def __getattr__(name):
 
 
 def build_sandbox(backend: str = "local", **kwargs) -> Sandbox:
-    """Builds a sandbox backend by name: `"local"` -> `LocalSandbox(**kwargs)`, `"remote"` -> `RemoteSandbox(**kwargs)`.
+    """Builds a sandbox backend by name: `"local"` -> `LocalSandbox(**kwargs)`, `"remote"` ->
+    `RemoteSandbox(**kwargs)`.
 
     Raises `ValueError` naming the backend when it is neither.
     """

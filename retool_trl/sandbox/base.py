@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = ["ExecResult", "Sandbox", "Session", "truncate_output", "cut_output", "refusal", "check_pairs"]
 
@@ -143,7 +144,9 @@ def refusal(closed: bool, broken_reason: str | None) -> ExecResult | None:
         return ExecResult(
             f"SessionError: this session was reset after an earlier {broken_reason}; its state is lost "
             "(the session is broken and runs no more code)",
-            ok=False, timed_out=False, duration_s=0.0,
+            ok=False,
+            timed_out=False,
+            duration_s=0.0,
         )
     return None
 

@@ -101,8 +101,9 @@ class Batch:
             if errors.get(session):
                 session._in_use.release()
                 session._mark_broken("infrastructure error")
-                self.results[index] = ExecResult(errors[session], ok=False, timed_out=False, duration_s=0.0,
-                                                 infra_error=True)
+                self.results[index] = ExecResult(
+                    errors[session], ok=False, timed_out=False, duration_s=0.0, infra_error=True
+                )
                 self._advance(session)
                 continue
             self._dispatch(session, index)

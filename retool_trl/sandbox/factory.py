@@ -13,7 +13,8 @@ def sandbox_from_config(args) -> Sandbox:
 
     Args:
         args: Has `sandbox_backend`, `sandbox_timeout_s` and, for `"local"`, `sandbox_workers`, `sandbox_memory_mb`,
-            `max_interpreter_output_chars`, `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url` and `sandbox_max_concurrency`.
+            `max_interpreter_output_chars`, `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url`
+            and `sandbox_max_concurrency`.
     """
     if args.sandbox_backend == "remote":
         return build_sandbox(

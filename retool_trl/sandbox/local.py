@@ -10,7 +10,7 @@ import socket
 import tempfile
 import threading
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
 from .batch import Batch
@@ -48,7 +48,7 @@ class LocalSession(SessionBase):
 
     _ids = itertools.count()
 
-    def __init__(self, sandbox: "LocalSandbox"):
+    def __init__(self, sandbox: LocalSandbox):
         super().__init__(sandbox)
         self._name = f"s{os.getpid()}-{next(self._ids)}"
         self._proc: _Proc | None = None
@@ -276,8 +276,11 @@ class LocalSandbox:
         self._drop_privileges = can_drop_privileges(_WORKER)
         warn_once(
             f"LocalSandbox: bubblewrap is unavailable ({problem}), so cells can read the host file system"
-            + ("" if os.geteuid() == 0 else ", reach the network, see other sessions' files and processes, and "
-               "are bounded by rlimits only")
+            + (
+                ""
+                if os.geteuid() == 0
+                else ", reach the network, see other sessions' files and processes, and are bounded by rlimits only"
+            )
             + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
             + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
         )
@@ -307,7 +310,7 @@ class LocalSandbox:
             proc.close()
         self._finalizer()
 
-    def __enter__(self) -> "LocalSandbox":
+    def __enter__(self) -> LocalSandbox:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -409,8 +412,13 @@ class LocalSandbox:
         output = cut_output(head, tail, total, self.max_output_chars)
         if crash is not None:
             result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
-            return ExecResult(output + result.output, ok=False, timed_out=result.timed_out, duration_s=duration,
-                              infra_error=result.infra_error)
+            return ExecResult(
+                output + result.output,
+                ok=False,
+                timed_out=result.timed_out,
+                duration_s=duration,
+                infra_error=result.infra_error,
+            )
         if error:  # the traceback keeps its end: the last line says what happened
             output += cut_output(error, error, len(error), self.max_output_chars, "tail")
         fatal = reply.get("fatal")

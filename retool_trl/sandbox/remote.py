@@ -13,8 +13,8 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, refusal, truncate_output
 
@@ -22,7 +22,7 @@ __all__ = ["RemoteSandbox", "RemoteSession"]
 
 # The program sent to the service. Exit code: 0 = the cell ran, 1 = it raised (the traceback is on stderr),
 # 3 = replaying an earlier cell failed. Everything it defines lives outside the cells' namespace.
-_DRIVER = r'''
+_DRIVER = r"""
 import ast, base64, json, linecache, os, sys, traceback
 
 CELLS = json.loads(base64.b64decode("@PAYLOAD@"))
@@ -104,7 +104,7 @@ def main():
 
 
 main()
-'''
+"""
 
 
 def _driver(cells: list[str], show_last_expression: bool) -> str:
@@ -119,7 +119,7 @@ class _ServiceFailure(Exception):
 class RemoteSession(SessionBase):
     """A session on a `RemoteSandbox`: keeps the cells that succeeded and replays them before each new one."""
 
-    def __init__(self, sandbox: "RemoteSandbox"):
+    def __init__(self, sandbox: RemoteSandbox):
         super().__init__(sandbox)
         self._cells: list[str] = []
         self._replay_s = 0.0  # time the kept cells took, added to the next request's time limit
@@ -196,8 +196,9 @@ class RemoteSandbox:
             if self._client is None:
                 import httpx
 
-                limits = httpx.Limits(max_connections=self.max_concurrency,
-                                      max_keepalive_connections=self.max_concurrency)
+                limits = httpx.Limits(
+                    max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
+                )
                 self._client = httpx.Client(limits=limits, headers=self.headers)
                 self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="retool-remote-sandbox")
                 self._finalizer.detach()
@@ -218,7 +219,7 @@ class RemoteSandbox:
             self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> "RemoteSandbox":
+    def __enter__(self) -> RemoteSandbox:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -260,13 +261,21 @@ class RemoteSandbox:
         session.calls += 1
         start = time.monotonic()
         run_timeout = self.timeout_s + session._replay_s
-        body = {"code": _driver([*session._cells, code], self.show_last_expression), "language": self.language,
-                "run_timeout": run_timeout}
+        body = {
+            "code": _driver([*session._cells, code], self.show_last_expression),
+            "language": self.language,
+            "run_timeout": run_timeout,
+        }
         try:
             response = self._post(body, run_timeout)
         except _ServiceFailure as exc:
-            return ExecResult(f"SandboxError: the code execution service failed: {exc}", ok=False, timed_out=False,
-                              duration_s=time.monotonic() - start, infra_error=True)
+            return ExecResult(
+                f"SandboxError: the code execution service failed: {exc}",
+                ok=False,
+                timed_out=False,
+                duration_s=time.monotonic() - start,
+                infra_error=True,
+            )
         duration = time.monotonic() - start
         return self._result(session, code, response, duration)
 
@@ -310,23 +319,36 @@ class RemoteSandbox:
         if status == "TimeLimitExceeded":
             session._broken = "timeout"
             printed = truncate_output(stdout + stderr, self.max_output_chars) if stdout or stderr else ""
-            return ExecResult(printed + f"TimeoutError: execution exceeded {self.timeout_s:g} s",
-                              ok=False, timed_out=True, duration_s=duration)
+            return ExecResult(
+                printed + f"TimeoutError: execution exceeded {self.timeout_s:g} s",
+                ok=False,
+                timed_out=True,
+                duration_s=duration,
+            )
         if return_code == 0 and status == "Finished":
             session._cells.append(code)
             session._replay_s += float(run.get("execution_time") or 0.0)
-            return ExecResult(truncate_output(stdout + stderr, self.max_output_chars), ok=True, timed_out=False,
-                              duration_s=duration)
+            return ExecResult(
+                truncate_output(stdout + stderr, self.max_output_chars), ok=True, timed_out=False, duration_s=duration
+            )
         output = truncate_output(stdout, self.max_output_chars)
         if return_code in (1, 3) and stderr:
             if return_code == 3:
                 session._broken = "replay failure"
-            return ExecResult(output + truncate_output(stderr, self.max_output_chars, "tail"), ok=False,
-                              timed_out=False, duration_s=duration)
+            return ExecResult(
+                output + truncate_output(stderr, self.max_output_chars, "tail"),
+                ok=False,
+                timed_out=False,
+                duration_s=duration,
+            )
         # Killed by a signal or a limit of the service, or no program run at all (compile stage, bad language).
         session._broken = "crash"
         tail = truncate_output(stderr, self.max_output_chars, "tail")
         reason = f"exited with code {return_code}" if return_code is not None else f"ended with status {status}"
         line = f"SystemError: the interpreter process {reason}"
-        return ExecResult(output + tail + ("" if not tail or tail.endswith("\n") else "\n") + line, ok=False,
-                          timed_out=False, duration_s=duration)
+        return ExecResult(
+            output + tail + ("" if not tail or tail.endswith("\n") else "\n") + line,
+            ok=False,
+            timed_out=False,
+            duration_s=duration,
+        )

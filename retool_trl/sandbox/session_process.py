@@ -27,7 +27,12 @@ from collections import deque
 HEADER = struct.Struct("!I")
 REQUEST_FD, STATUS_FD = 3, 4  # in a session process: 0 /dev/null, 1 and 2 the output memfd
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
-    0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000)
+    0x20000,
+    0x4000000,
+    0x8000000,
+    0x20000000,
+    0x40000000,
+)
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
@@ -151,7 +156,6 @@ class _Capture:
     def texts(self):
         tail = "".join(self.tail)
         return "".join(self.head), tail[len(tail) - self.limit :] if len(tail) > self.limit else tail, self.total
-
 
 
 def _format_exception(exc, last_line=None):
@@ -326,8 +330,12 @@ def session_main(config, jail):
         os.chown(scratch, uid, uid)
     os.chdir(scratch)
     mb = 1024 * 1024
-    limits = [(resource.RLIMIT_AS, config["memory_mb"] * mb), (resource.RLIMIT_FSIZE, config["max_file_size_mb"] * mb),
-              (resource.RLIMIT_NOFILE, config["max_open_files"]), (resource.RLIMIT_CORE, 0)]
+    limits = [
+        (resource.RLIMIT_AS, config["memory_mb"] * mb),
+        (resource.RLIMIT_FSIZE, config["max_file_size_mb"] * mb),
+        (resource.RLIMIT_NOFILE, config["max_open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
     if uid:  # RLIMIT_NPROC counts the uid's processes: only a per-session uid makes it a per-session cap
         limits.append((resource.RLIMIT_NPROC, config["max_processes"]))
     for kind, value in limits:

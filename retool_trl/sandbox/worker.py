@@ -79,10 +79,15 @@ class _Zygote:
             path = os.path.join(root, name)
             os.mkdir(path)
             made.append(path)
-            limits = {"memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
-                      "pids": {"pids.max": self.config["max_processes"]},
-                      "v2": {"memory.max": self.config["memory_mb"] << 20, "memory.swap.max": 0,
-                             "pids.max": self.config["max_processes"]}}[kind]
+            limits = {
+                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
+                "pids": {"pids.max": self.config["max_processes"]},
+                "v2": {
+                    "memory.max": self.config["memory_mb"] << 20,
+                    "memory.swap.max": 0,
+                    "pids.max": self.config["max_processes"],
+                },
+            }[kind]
             for key, value in limits.items():
                 if os.path.exists(os.path.join(path, key)):
                     write_file(os.path.join(path, key), str(value))
@@ -204,8 +209,13 @@ class _Zygote:
             frames = take_frames(jail.status_buffer, 64 * self.config["max_output_chars"] + (1 << 16))
         except ValueError:  # garbage on the status pipe: the call still ends only when the process parks or dies
             jail.status_buffer.clear()
-            frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n",
-                       "fatal": "invalid status"}]
+            frames = [
+                {
+                    "ok": False,
+                    "error": "SystemError: the interpreter sent an invalid status\n",
+                    "fatal": "invalid status",
+                }
+            ]
         if frames and jail.call_id is not None and (jail.status or {}).get("fatal") != "invalid status":
             jail.status = frames[-1]
             self.unsettled.add(jail)  # a forged frame followed by more work is superseded by the real one
@@ -233,8 +243,13 @@ class _Zygote:
             except OSError:
                 pass
         status = jail.status if isinstance(jail.status, dict) else {}
-        reply = dict(self.read_output(jail, status.get("skipped", 0)), id=jail.call_id, ok=status.get("ok") is True,
-                     error=str(status.get("error") or ""), fatal=status.get("fatal") and str(status["fatal"]))
+        reply = dict(
+            self.read_output(jail, status.get("skipped", 0)),
+            id=jail.call_id,
+            ok=status.get("ok") is True,
+            error=str(status.get("error") or ""),
+            fatal=status.get("fatal") and str(status["fatal"]),
+        )
         jail.call_id, jail.status = None, None
         self.unsettled.discard(jail)
         self.send(jail, reply)
@@ -417,8 +432,16 @@ class _Zygote:
         self.selector.register(self.control, selectors.EVENT_READ, ("control", None))
         self.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
         interfaces = [name for _, name in socket.if_nameindex()]
-        _send(self.control, {"ready": True, "pid": self.pid, "network_isolated": interfaces in ([], ["lo"]),
-                             "jail": self.config["jail"], "own_uid_per_session": self.config["drop_uid"]})
+        _send(
+            self.control,
+            {
+                "ready": True,
+                "pid": self.pid,
+                "network_isolated": interfaces in ([], ["lo"]),
+                "jail": self.config["jail"],
+                "own_uid_per_session": self.config["drop_uid"],
+            },
+        )
         while True:
             waiting = [j for j in self.unsettled if j.status is not None and j.call_id is not None and not j.closed]
             refill = len(self.spares) < self.config["spares"] or self.retired
@@ -480,8 +503,13 @@ def main():
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     problem = probe_jail() if config["jail"] else "not asked for"
     if config["jail"] and problem:
-        _send(control, {"warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
-                                   "and IPC namespaces"})
+        _send(
+            control,
+            {
+                "warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
+                "and IPC namespaces"
+            },
+        )
         config["jail"] = False
     for name in config.get("preload", ()):
         try:
@@ -491,8 +519,13 @@ def main():
     with open("/proc/self/status") as f:
         vm_mb = next((int(line.split()[1]) // 1024 for line in f if line.startswith("VmSize:")), 0)
     if vm_mb + 64 > config["memory_mb"]:
-        _send(control, {"warning": f"memory_mb={config['memory_mb']} leaves cells almost nothing: the interpreter "
-                                   f"with its preloaded modules already maps {vm_mb} MB of address space"})
+        _send(
+            control,
+            {
+                "warning": f"memory_mb={config['memory_mb']} leaves cells almost nothing: the interpreter "
+                f"with its preloaded modules already maps {vm_mb} MB of address space"
+            },
+        )
     os.chdir("/")
     gc.freeze()  # keep the collector off the preloaded objects, so forked children do not copy their pages
     _Zygote(control, config).serve()

@@ -38,8 +38,13 @@ class _Zygote:
         argv = [*command, sys.executable, "-I", _WORKER, json.dumps(config), str(zygote_end.fileno())]
         try:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=clean_env(),
-                pass_fds=(zygote_end.fileno(),), start_new_session=True, close_fds=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=clean_env(),
+                pass_fds=(zygote_end.fileno(),),
+                start_new_session=True,
+                close_fds=True,
             )
         except OSError as exc:
             raise SandboxStartError(f"could not start the sandbox zygote: {exc}") from exc
