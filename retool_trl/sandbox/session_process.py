@@ -195,6 +195,22 @@ def children(pid="self"):
     return kids
 
 
+def descendants(pid, single_threaded=False):
+    """Every process below `pid` (of a parked, single-threaded process: one /proc file when there is none)."""
+    if single_threaded:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+                if not f.read().strip():
+                    return []
+        except OSError:
+            return []
+    found, todo = [], children(pid)
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children(found[-1]))
+    return found
+
+
 def _kill_descendants(own_uid):
     """Kills and reaps every process the cell started (as pid 1 of the jail, orphans come back to us)."""
     for _ in range(200):

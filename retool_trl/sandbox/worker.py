@@ -22,16 +22,17 @@ import sys
 import time
 import traceback
 
-# The sibling module `session_process.py`: python -I puts no script directory on sys.path, and cells must not find
-# this package's modules there either, so the directory is on it for this import only.
+# The sibling modules `session_process.py` and `reaping.py`: python -I puts no script directory on sys.path, and
+# cells must not find this package's modules there either, so the directory is on it for these imports only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reaping import death_cause, rmdir_quietly  # noqa: E402
 from session_process import (  # noqa: E402
     CLONE_NEWPID,
     PR_SET_PDEATHSIG,
     REQUEST_FD,
     Jail,
     check,
-    children,
+    descendants,
     frame,
     libc,
     prctl,
@@ -237,7 +238,7 @@ class _Zygote:
 
     def settle(self, jail):
         os.kill(jail.pid, signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
-        for pid in self.descendants(jail.pid, single_threaded=True):
+        for pid in descendants(jail.pid, single_threaded=True):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -287,22 +288,6 @@ class _Zygote:
                 jail.host.setblocking(False)
         except OSError:
             pass  # the host gave up on this call (timeout): the session is being killed
-
-    @staticmethod
-    def descendants(pid, single_threaded=False):
-        """Every process below `pid` (of a parked, single-threaded process: one /proc file when there is none)."""
-        if single_threaded:
-            try:
-                with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-                    if not f.read().strip():
-                        return []
-            except OSError:
-                return []
-        found, todo = [], children(pid)
-        while todo:
-            found.append(todo.pop())
-            todo.extend(children(found[-1]))
-        return found
 
     # ------------------------------------------------------------------------------------------ deaths, cleanup
 
@@ -365,44 +350,13 @@ class _Zygote:
             if jail in self.retired:
                 self.retired.remove(jail)
             if jail.call_id is not None and not jail.closed:
-                self.settle_crash(jail, self.describe_death(jail, status, usage))
+                cause = death_cause(status, usage, jail.cpu_before, self.config["cpu_time_s"], jail.cgroups)
+                self.settle_crash(jail, cause)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
                 self.remove_later(jail.scratch)
-        self.graveyard = [path for path in self.graveyard if not self._rmdir(path)]
-
-    def describe_death(self, jail, status, usage):
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            used = usage.ru_utime + usage.ru_stime - jail.cpu_before
-            if sig == signal.SIGKILL and used >= self.config["cpu_time_s"]:
-                sig = signal.SIGXCPU  # the hard CPU limit's SIGKILL, after a SIGXCPU that C code did not let through
-            return {"signal": sig, "oom": sig == signal.SIGKILL and self.oom_killed(jail)}
-        return {"exit": os.WEXITSTATUS(status)}
-
-    @staticmethod
-    def oom_killed(jail):
-        for path in jail.cgroups:
-            for name in ("memory.oom_control", "memory.events"):
-                try:
-                    with open(os.path.join(path, name)) as f:
-                        counts = dict(line.split() for line in f if len(line.split()) == 2)
-                except OSError:
-                    continue
-                if int(counts.get("oom_kill", 0)):
-                    return True
-        return False
-
-    @staticmethod
-    def _rmdir(path):
-        try:
-            os.rmdir(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False
-        return True
+        self.graveyard = [path for path in self.graveyard if not rmdir_quietly(path)]
 
     def remove_later(self, path):
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
