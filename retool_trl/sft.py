@@ -232,6 +232,46 @@ def run_sft(model, tokenizer, train_dataset: Dataset, args: SFTConfig | None = N
     return trainer
 
 
+def train_cold_start(
+    model, tokenizer, dataset: Dataset, max_steps: int, batch_size: int, learning_rate: float, seed: int = 0
+) -> tuple:
+    """Cold-start SFT as the shipped quickstart checkpoints are built: cosine schedule, no checkpoints, on CPU unless
+    a GPU is there. Returns the trained model (its generation config set to sample at T=1, as the quickstarts
+    evaluate) and the final training loss.
+    """
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as work_dir:
+        config = SFTConfig(
+            output_dir=work_dir,
+            max_steps=max_steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=50,
+            weight_decay=0.0,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
+            max_length=None,  # traces are short; nothing to truncate
+            logging_steps=100,
+            save_strategy="no",
+            report_to="none",
+            seed=seed,
+            use_cpu=not torch.cuda.is_available(),
+            bf16=False,
+            dataloader_num_workers=0,
+        )
+        trainer = run_sft(model, tokenizer, dataset, config)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    final_loss = losses[-1] if losses else trainer.state.log_history[-1]["train_loss"]
+    model = trainer.model
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 1.0
+    return model, final_loss
+
+
 def masked_token_stats(dataset: Dataset) -> dict[str, float]:
     """Share of trained tokens in a tokenized SFT dataset (a quick check that masking did what was meant)."""
     total = sum(len(m) for m in dataset["completion_mask"])

@@ -12,16 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import asdict
 
 import torch
-from trl import SFTConfig
 
 from retool_trl.data.synthetic import make_sft_traces
 from retool_trl.quickstart import QUICKSTART_MODEL_DIR, QuickstartTask
-from retool_trl.sft import build_sft_dataset, masked_token_stats, run_sft
+from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
 from retool_trl.tiny import build_char_tokenizer, build_tiny_model
 
 
@@ -63,32 +61,9 @@ def main() -> None:
         f"{stats['tokens']:.0f} tokens, {stats['trained_fraction']:.0%} trained"
     )
 
-    with tempfile.TemporaryDirectory() as work_dir:
-        sft_config = SFTConfig(
-            output_dir=work_dir,
-            max_steps=args.max_steps,
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=50,
-            weight_decay=0.0,
-            adam_beta2=0.95,
-            max_grad_norm=1.0,
-            max_length=None,  # traces are short; nothing to truncate
-            logging_steps=100,
-            save_strategy="no",
-            report_to="none",
-            seed=args.seed,
-            use_cpu=not torch.cuda.is_available(),
-            bf16=False,
-            dataloader_num_workers=0,
-        )
-        trainer = run_sft(model, tokenizer, dataset, sft_config)
-    final_loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
-
-    model = trainer.model
-    model.generation_config.do_sample = True  # the quickstart evaluates at the sampling temperature
-    model.generation_config.temperature = 1.0
+    model, final_loss = train_cold_start(
+        model, tokenizer, dataset, args.max_steps, args.batch_size, args.learning_rate, seed=args.seed
+    )
     shutil.rmtree(args.output_dir, ignore_errors=True)
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
