@@ -36,6 +36,10 @@ class EngineError(RuntimeError):
     """The generation engine failed (connection lost, server error): infrastructure, not the model's fault."""
 
 
+class EngineRequestError(ValueError):
+    """The server refused a request as invalid (HTTP 4xx): raised, so that a misconfigured run stops."""
+
+
 class CompletionsEngine:
     """Turns from an OpenAI-compatible `/v1/completions` server that takes and returns token ids (vLLM's server, as
     started by `trl vllm-serve` or `vllm serve`).
@@ -101,8 +105,12 @@ class CompletionsEngine:
                 response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
+        if response.status_code in (408, 429) or response.status_code >= 500:
             raise EngineError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code != 200:
+            # The request itself is wrong (context past max_model_len, an unknown field, a wrong model name): a
+            # configuration error to fix, not a failure to drop quietly from the loss.
+            raise EngineRequestError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
         try:
             return response.json()
         except ValueError as exc:
@@ -252,4 +260,11 @@ def _run_coroutine(coroutine) -> None:
         raise error[0]
 
 
-__all__ = ["AsyncTurnEngine", "CompletionsEngine", "EngineError", "async_rollout", "sampling_from_vllm"]
+__all__ = [
+    "AsyncTurnEngine",
+    "CompletionsEngine",
+    "EngineError",
+    "EngineRequestError",
+    "async_rollout",
+    "sampling_from_vllm",
+]

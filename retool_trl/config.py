@@ -219,10 +219,18 @@ class ReToolConfig(GRPOConfig):
             "interpreter_end": self.interpreter_end,
         }
         for name, tag in tags.items():
-            if not isinstance(tag, str) or not tag.strip():
-                raise ValueError(f"ReToolConfig.{name} must be a non-empty tag string, got {tag!r}.")
+            if not isinstance(tag, str) or len(tag.strip()) < 2:
+                # One character cannot be defanged in interpreter output (see `parsing.clean_output`).
+                raise ValueError(f"ReToolConfig.{name} must be a tag of at least 2 characters, got {tag!r}.")
         if len(set(tags.values())) != len(tags):
             raise ValueError(f"ReToolConfig tags must be distinct, got {tags}.")
+        for name, tag in tags.items():
+            for other_name, other in tags.items():
+                if name != other_name and other.startswith(tag):
+                    raise ValueError(
+                        f"ReToolConfig.{name} {tag!r} is a prefix of {other_name} {other!r}: the blocks could not be "
+                        "told apart; choose tags where none starts another."
+                    )
         if self.max_tool_calls < 0:
             raise ValueError(f"ReToolConfig.max_tool_calls must be >= 0, got {self.max_tool_calls}.")
         if self.max_interpreter_output_chars < 16:

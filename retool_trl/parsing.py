@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import astuple
 
 from .prompts import Tags, add_system_message
 
@@ -92,8 +93,11 @@ def clean_output(output: str, tags: Tags = Tags()) -> str:
     the interpreter block early (and pass off what follows as the model's prose) nor open a code block.
     """
     output = _LONE_SURROGATE.sub("\ufffd", output)
-    for tag in (tags.interpreter_end, tags.interpreter_start, tags.code_end, tags.code_start):
-        if tag in output:
+    for _ in range(len(output) + 1):  # to a fixpoint: a tag such as `]]]` overlaps itself in `]]]]`
+        found = [tag for tag in astuple(tags) if tag in output]
+        if not found:
+            return output
+        for tag in found:
             output = output.replace(tag, f"{tag[0]}\u200b{tag[1:]}")
     return output
 

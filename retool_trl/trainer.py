@@ -156,6 +156,11 @@ class ReToolTrainer(GRPOTrainer):
         # real lengths: an all-zero env_mask would have been logged as an empty completion.
         if any(self._dropped):
             output["tool_mask"][torch.tensor(self._dropped, device=output["tool_mask"].device)] = 0
+        # ...and out of the loss normaliser TRL computed from the same masks (dapo/cispo/vespo divide by it). A
+        # collective call, so every process makes it, dropped rows or not; unchanged when nothing was dropped.
+        if "tool_mask" in output:
+            kept = (output["completion_mask"] * output["tool_mask"]).sum()
+            output["num_items_in_batch"] = self.accelerator.gather(kept).sum()
         return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

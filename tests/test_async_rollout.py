@@ -317,3 +317,17 @@ def test_local_sandbox_serves_many_threads_at_once():
         assert [(r.ok, r.infra_error, r.output.strip()) for r in cells] == [
             (True, False, str(i * 10 + k)) for k in range(3)
         ]
+
+
+def test_a_refused_request_is_raised_not_dropped():
+    """HTTP 4xx (context past the server's length, an unknown field) is a configuration error: the rollout stops
+    and says so, rather than quietly dropping the rows from the loss as infrastructure failures."""
+    from retool_trl.async_rollout import EngineRequestError
+    from retool_trl.testing import FakeSandbox
+
+    engine = CompletionsEngine(
+        "http://127.0.0.1:9", TOKENIZER, "</code>", model="policy", transport=completions_server([400, 400], [])
+    )
+    sandbox = FakeSandbox()
+    with pytest.raises(EngineRequestError, match="HTTP 400"):
+        async_rollout(prompts(2), engine, sandbox, TOKENIZER, SPEC)
