@@ -120,9 +120,17 @@ def test_a_forged_reply_does_not_outlive_the_session(sandbox):
     r = s.run(FORGE + "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()")
     s.close()
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while _running(pid):
         assert time.monotonic() < deadline, f"the session process outlived close(): {r}"
         time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie); it may vanish between any two checks."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ---------------------------------------------------------------------- finding 2 and 8: deaths and reaping
@@ -166,7 +174,7 @@ def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
 
 def _sandbox_processes():
     found = {p.pid for p in psutil.process_iter(["cmdline"]) if _WORKER in " ".join(p.info["cmdline"] or ())}
-    return {pid for pid in found if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+    return {pid for pid in found if _running(pid)}
 
 
 def test_nothing_of_the_sandbox_survives_close():

@@ -295,7 +295,7 @@ def test_sandbox_is_closed_at_interpreter_exit(tmp_path):
     pids = [int(p) for p in proc.stdout.strip().split(",") if p]
     assert pids
     time.sleep(0.2)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in pids if _running(p)]
 
 
 def test_build_sandbox():
@@ -355,3 +355,11 @@ def test_forked_child_exiting_does_not_stop_the_parents_sandbox():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "1\n"
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie); it may vanish between any two checks."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
