@@ -4,8 +4,10 @@ Each test runs hostile code; the module moves this test process into a memory- a
 machine lets it (cgroup v1 or v2, as root), so that a regression cannot take the machine down.
 """
 
+import json
 import os
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -170,6 +172,38 @@ def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
     runner.join(20)
     (r,) = box
     assert not r.ok and r.infra_error and not r.timed_out, r
+
+
+def test_a_kill_between_calls_is_an_infrastructure_error(sandbox):
+    s = sandbox.session()
+    assert s.run("x = 1").ok
+    os.kill(s._proc.host_pid, signal.SIGKILL)  # while it waits (stopped) for its next call
+    r = s.run("print(x)")
+    assert not r.ok and r.infra_error and not r.timed_out, r
+    assert "killed from outside" in _last_line(r)
+
+
+def test_a_late_forged_status_does_not_settle_the_next_call(sandbox):
+    """A status frame already waiting when a call starts (a writer the cell left, racing its kill) settles nothing."""
+    forged = json.dumps({"ok": True, "error": None, "fatal": None, "skipped": 0}).encode()
+    for _ in range(5):
+        s = sandbox.session()
+        assert s.run("print('first')").output == "first\n"
+        with open(f"/proc/{s._proc.host_pid}/fd/4", "wb") as status_pipe:  # the session's own status pipe
+            status_pipe.write(struct.pack("!I", len(forged)) + forged)
+        start = time.monotonic()
+        second = s.run("import time\ntime.sleep(0.3)\nprint('second')")
+        assert second.ok and second.output == "second\n", second
+        assert time.monotonic() - start >= 0.3
+        s.close()
+
+
+def test_a_jail_that_fails_to_set_up_is_an_infrastructure_error():
+    # An open-file limit above the kernel's maximum: setrlimit fails in the jail before any cell can run.
+    with LocalSandbox(num_workers=1, timeout_s=5.0, max_open_files=1 << 30, preload=()) as sb:
+        r = sb.session().run("print('never runs')")
+    assert not r.ok and r.infra_error and not r.timed_out, r
+    assert "could not set up the session's jail" in _last_line(r), r
 
 
 def _sandbox_processes():

@@ -2,33 +2,36 @@
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
-import socket
 import time
 from collections import deque
 
 from .base import ExecResult
-from .protocol import CREDS, HEADER, frame
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PARK_POLL_S = 0.0002  # how often a cell whose status came is checked for being parked
+DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
 
 
 class _Running:
     """A dispatched cell."""
 
-    __slots__ = ("index", "session", "request_id", "started", "deadline", "cpu", "cpu_at", "busy")
+    __slots__ = ("index", "session", "proc", "started", "deadline", "cpu", "cpu_at", "busy", "reported", "dead")
 
-    def __init__(self, index, session, request_id, started, deadline):
-        self.index, self.session, self.request_id = index, session, request_id
+    def __init__(self, index, session, started, deadline):
+        self.index, self.session, self.proc = index, session, session._proc
         self.started, self.deadline = started, deadline
         self.cpu, self.cpu_at, self.busy = None, started, True
+        self.reported = False  # its status came: it is over once its process parks
+        self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
 
 
 class Batch:
     """One `run_many` call: every session's cells in order, different sessions concurrently.
+
+    Each cell goes straight to its session process (`SessionProcess`): the request down its pipe, its status back on
+    another, and the call settles once the process is parked again, never on the status alone.
 
     Admission: at most `num_workers` cells *computing* at once. A cell that used under 30% of a CPU over the last tick
     (sleeping, waiting on IO) does not count, so a batch of sleepers finishes in one sleep while CPU-bound cells are
@@ -43,8 +46,9 @@ class Batch:
         for i, (session, _) in enumerate(pairs):
             self.queues.setdefault(session, deque()).append(i)
         self.ready = deque(self.queues)
-        self.running: dict[socket.socket, _Running] = {}
+        self.running: dict[object, _Running] = {}  # by session
         self.selector = selectors.DefaultSelector()
+        self.output_limit = 4 * sandbox.max_output_chars
 
     def run(self) -> list[ExecResult]:
         try:
@@ -55,13 +59,20 @@ class Batch:
                 wait = min(r.deadline for r in self.running.values()) - time.monotonic()
                 if self.ready:
                     wait = min(wait, CPU_TICK_S)
+                if any(r.reported for r in self.running.values()):
+                    wait = min(wait, PARK_POLL_S)
                 for key, _ in self.selector.select(max(0.0, wait)):
-                    entry = self.running.get(key.fileobj)
-                    if entry is not None:
-                        self._on_readable(entry)
+                    kind, entry = key.data
+                    if self.running.get(entry.session) is entry:
+                        getattr(self, f"_on_{kind}")(entry)
+                for entry in [r for r in self.running.values() if r.reported]:
+                    self._settle_if_parked(entry, tries=1)
                 now = time.monotonic()
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
-                    self._finish(entry, self.sandbox._timeout_result, now - entry.started)
+                    if entry.dead:  # the status pipe closed but no account of the death came
+                        self._finish(entry, self.sandbox._crash_result, now - entry.started)
+                    else:
+                        self._finish(entry, self.sandbox._timeout_result, now - entry.started)
         finally:
             # Only an exception in our own code leaves cells running: do not leave their sessions half-way.
             for entry in list(self.running.values()):
@@ -109,23 +120,21 @@ class Batch:
             self._dispatch(session, index)
 
     def _dispatch(self, session, index: int) -> None:
-        request_id = next(self.sandbox._request_ids)
         started = time.monotonic()
-        proc = session._proc
-        try:
-            # Requests are small and the session process is idle in recv(): this never waits in practice.
-            proc.sock.settimeout(self.sandbox.timeout_s)
-            proc.sock.sendall(frame({"id": request_id, "code": self.pairs[index][1]}))
-            proc.sock.setblocking(False)
-        except OSError:
-            self.results[index] = self.sandbox._crash_result(session, 0.0, "the interpreter stopped accepting input")
-            session._in_use.release()
-            self._advance(session)
-            return
+        entry = _Running(index, session, started, started + self.sandbox.timeout_s)
+        proc = entry.proc
+        self.running[session] = entry
         session.calls += 1
-        entry = _Running(index, session, request_id, started, started + self.sandbox.timeout_s)
-        self.running[proc.sock] = entry
-        self.selector.register(proc.sock, selectors.EVENT_READ)
+        if not proc.begin({"code": self.pairs[index][1]}):
+            self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
+            if self.running.get(session) is entry:
+                entry.dead, entry.deadline = True, min(entry.deadline, started + DEATH_NOTICE_S)
+                self.selector.register(proc.sock, selectors.EVENT_READ, ("death", entry))
+            return
+        self.selector.register(proc.status_r, selectors.EVENT_READ, ("status", entry))
+        self.selector.register(proc.sock, selectors.EVENT_READ, ("death", entry))
+        if proc.pending:  # a request larger than the pipe: the rest goes as the process reads
+            self.selector.register(proc.request_w, selectors.EVENT_WRITE, ("request", entry))
 
     def _count_busy(self) -> int:
         """Running cells that want a CPU. A cell that is not runnable now and used little CPU over the last tick
@@ -134,8 +143,7 @@ class Batch:
         busy = 0
         for entry in self.running.values():
             if now - entry.cpu_at >= CPU_TICK_S:
-                host_pid = entry.session._proc.host_pid
-                state, cpu = _sched_state(host_pid) if host_pid else (None, None)
+                state, cpu = entry.proc.sched_state()
                 if cpu is not None and entry.cpu is not None:
                     entry.busy = state == "R" or (cpu - entry.cpu) > 0.3 * (now - entry.cpu_at)
                 entry.cpu, entry.cpu_at = cpu, now
@@ -143,65 +151,50 @@ class Batch:
         return busy
 
     def _finish(self, entry: _Running, settle, *args) -> None:
-        """Stops watching the cell's socket, then settles it with `settle(session, *args)` (which may kill its
-        process, and with it close that socket)."""
-        sock = entry.session._proc.sock
-        if self.running.pop(sock, None) is not None:
-            self.selector.unregister(sock)
+        """Stops watching the cell's channels, then settles it with `settle(session, *args)` (which may kill its
+        process, and with it close those channels)."""
+        if self.running.pop(entry.session, None) is not None:
+            for fd in (entry.proc.status_r, entry.proc.sock, entry.proc.request_w):
+                try:
+                    self.selector.unregister(fd)
+                except (KeyError, ValueError):
+                    pass
         try:
             self.results[entry.index] = settle(entry.session, *args)
         finally:
             entry.session._in_use.release()
         self._advance(entry.session)
 
-    def _on_readable(self, entry: _Running) -> None:
-        proc = entry.session._proc
-        duration = time.monotonic() - entry.started
-        try:
-            if proc.host_pid is None:
-                # The first frame is the hello: its SCM_CREDENTIALS carry the process's pid in *our* namespace.
-                data, ancdata, _, _ = proc.sock.recvmsg(1 << 16, socket.CMSG_SPACE(CREDS.size))
-                for level, kind, payload in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= CREDS.size:
-                        proc.learn_pid(CREDS.unpack(payload[: CREDS.size])[0])
-            else:
-                data = proc.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._finish(entry, self.sandbox._crash_result, duration)
-            return
-        proc.buffer += data
-        limit = 16 * self.sandbox.max_output_chars + (1 << 16)
-        while len(proc.buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(proc.buffer)
-            if size > limit:
-                why = "the interpreter sent an oversized reply"
-                self._finish(entry, self.sandbox._crash_result, duration, why)
-                return
-            if len(proc.buffer) < HEADER.size + size:
-                return
-            payload = bytes(proc.buffer[HEADER.size : HEADER.size + size])
-            del proc.buffer[: HEADER.size + size]
-            try:
-                reply = json.loads(payload)
-            except ValueError:
-                reply = None
-            if isinstance(reply, dict) and reply.get("hello") and reply.get("creds") is False:
-                proc.learn_pid(int(reply["pid"]))
-            # Only the zygote writes on this socket (cells cannot reach it); a reply for another call settles nothing.
-            if isinstance(reply, dict) and reply.get("id") == entry.request_id and not reply.get("hello"):
-                self._finish(entry, self.sandbox._reply_result, reply, duration)
-                return
+    # ------------------------------------------------------------------------------------------------- events
 
+    def _on_request(self, entry: _Running) -> None:
+        if not entry.proc.flush() or not entry.proc.pending:
+            self.selector.unregister(entry.proc.request_w)
 
-def _sched_state(pid: int) -> tuple[str | None, float | None]:
-    """A process's scheduler state ("R" = running or runnable) and CPU seconds so far, from /proc/PID/stat."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    except (OSError, IndexError, ValueError):
-        return None, None
+    def _on_status(self, entry: _Running) -> None:
+        if not entry.proc.read_status():
+            # Every writer of the status pipe is gone: the process died, and the zygote's account is on its way.
+            self.selector.unregister(entry.proc.status_r)
+            entry.dead, entry.deadline = True, min(entry.deadline, time.monotonic() + DEATH_NOTICE_S)
+            return
+        if entry.proc.status is not None:
+            entry.reported = True
+            # It parks microseconds after its status: yield the CPU a few times rather than wait a poll tick.
+            self._settle_if_parked(entry, tries=20)
+
+    def _settle_if_parked(self, entry: _Running, tries: int) -> None:
+        for attempt in range(tries):
+            if entry.proc.parked():
+                reply = entry.proc.settle(self.output_limit)
+                self._finish(entry, self.sandbox._reply_result, reply, time.monotonic() - entry.started)
+                return
+            if attempt + 1 < tries:
+                os.sched_yield()
+
+    def _on_death(self, entry: _Running) -> None:
+        crash = entry.proc.death_notice()
+        if crash is not None:
+            reply = dict(entry.proc.read_output(limit=self.output_limit), crash=crash)
+            self._finish(entry, self.sandbox._reply_result, reply, time.monotonic() - entry.started)
+        elif entry.proc.zygote_gone:
+            self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started)

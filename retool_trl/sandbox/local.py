@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
 from .batch import Batch
 from .cgroups import SandboxCgroups
+from .channel import SessionProcess
 from .isolation import (
     ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
@@ -25,7 +26,7 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
-from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Proc, _Zygote
+from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
 
@@ -51,7 +52,7 @@ class LocalSession(SessionBase):
     def __init__(self, sandbox: LocalSandbox):
         super().__init__(sandbox)
         self._name = f"s{os.getpid()}-{next(self._ids)}"
-        self._proc: _Proc | None = None
+        self._proc: SessionProcess | None = None
         self._finalizer: weakref.finalize | None = None
         self._in_use = threading.Lock()  # held while a cell runs: one cell at a time, even across threads
 
@@ -164,7 +165,8 @@ class LocalSandbox:
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
-        self._ready: list[tuple[_Zygote, _Proc]] = []  # jails handed out by the zygote, not yet given a session
+        # Jails handed out by the zygote, not yet given a session.
+        self._ready: list[tuple[_Zygote, SessionProcess]] = []
         self._ready_lock = threading.Lock()
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
@@ -344,10 +346,11 @@ class LocalSandbox:
         fresh = self._handed_out(zygote, len(sessions) - len(taken) + extra) if len(taken) < len(sessions) else []
         procs = taken + fresh[: len(sessions) - len(taken)]
         with self._ready_lock:
-            self._ready += [(zygote, proc) for proc in fresh[len(procs) - len(taken) :] if isinstance(proc, _Proc)]
+            spare = fresh[len(procs) - len(taken) :]
+            self._ready += [(zygote, proc) for proc in spare if isinstance(proc, SessionProcess)]
         errors = []
         for session, proc in zip(sessions, procs):
-            if not isinstance(proc, _Proc):
+            if not isinstance(proc, SessionProcess):
                 errors.append(proc)
                 continue
             session._proc = proc
@@ -355,8 +358,8 @@ class LocalSandbox:
             errors.append(None)
         return errors
 
-    def _handed_out(self, zygote: _Zygote, count: int) -> list[_Proc | str]:
-        """Asks the zygote for `count` jails in one round trip: a `_Proc` per jail, or the error text."""
+    def _handed_out(self, zygote: _Zygote, count: int) -> list[SessionProcess | str]:
+        """Asks the zygote for `count` jails in one round trip: a `SessionProcess` per jail, or the error text."""
         pairs = [socket.socketpair() for _ in range(count)]
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -364,15 +367,16 @@ class LocalSandbox:
             replies = zygote.spawn_many([({"op": "spawn"}, theirs.fileno()) for _, theirs in pairs])
         except (OSError, ConnectionError, ValueError) as exc:
             replies = [{"error": f"sandbox zygote failed: {exc}"}] * count
-        procs: list[_Proc | str] = []
+        procs: list[SessionProcess | str] = []
         for (ours, theirs), reply in zip(pairs, replies):
             theirs.close()
-            if "pid" not in reply:
+            try:
+                if "pid" not in reply:
+                    raise ConnectionError(reply.get("error"))
+                procs.append(SessionProcess.from_hello(ours))
+            except (OSError, ConnectionError, ValueError) as exc:
                 ours.close()
-                procs.append(f"SandboxError: could not start a session process: {reply.get('error')}")
-                continue
-            ours.setblocking(False)
-            procs.append(_Proc(ours, reply["pid"]))
+                procs.append(f"SandboxError: could not start a session process: {exc}")
         return procs
 
     def _kill(self, session: LocalSession) -> None:
@@ -447,10 +451,14 @@ class LocalSandbox:
             line = f"SystemError: {why}"
         elif crash is None:
             line, infra = "SystemError: the sandbox lost the interpreter process", True
-        elif "why" in crash:
-            line = f"SystemError: {crash['why']}"
+        elif crash.get("setup_failed"):  # it died before any cell ran: the jail's failure, not a cell's
+            line = f"SystemError: the sandbox could not set up the session's jail: {crash['setup_failed']}"
+            infra = True
         elif "signal" in crash:
             sig = int(crash["signal"])
+            cpu_used = float(crash.get("cpu_s") or 0.0) - (session._proc.cpu_before if session._proc else 0.0)
+            if sig == signal.SIGKILL and cpu_used >= self.cpu_time_s:
+                sig = signal.SIGXCPU  # the hard CPU limit (C code may not have let SIGXCPU through)
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
             elif sig == signal.SIGKILL and crash.get("oom"):

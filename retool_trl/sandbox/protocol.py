@@ -1,7 +1,7 @@
 """Host side of the wire format shared with `worker.py`: a 4-byte big-endian length, then UTF-8 JSON.
 
 `worker.py` runs as a standalone script inside the sandbox and cannot import this module, so it carries its own
-twin of these few lines; JSON (never pickle) because replies come from untrusted processes.
+twin of `frame`; JSON (never pickle) because statuses come from untrusted processes.
 """
 
 from __future__ import annotations
@@ -33,3 +33,17 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def recv_frame(sock: socket.socket):
     (size,) = HEADER.unpack(recv_exact(sock, HEADER.size))
     return json.loads(recv_exact(sock, size))
+
+
+def take_frames(buffer: bytearray, max_bytes: int) -> list:
+    """Pops complete frames off a buffer; raises ValueError on an oversized or malformed one."""
+    frames = []
+    while len(buffer) >= HEADER.size:
+        (size,) = HEADER.unpack_from(buffer)
+        if size > max_bytes:
+            raise ValueError(f"a frame of {size} bytes")
+        if len(buffer) < HEADER.size + size:
+            break
+        frames.append(json.loads(bytes(buffer[HEADER.size : HEADER.size + size])))
+        del buffer[: HEADER.size + size]
+    return frames

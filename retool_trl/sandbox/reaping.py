@@ -5,18 +5,17 @@ import os
 import signal
 
 
-def death_cause(status, usage, cpu_before: float, cpu_limit_s: float, cgroups) -> dict:
-    """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "oom": bool}`.
+def death_cause(status, usage, cgroups) -> dict:
+    """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "cpu_s": s, "oom": b}`.
 
-    A SIGKILL after the CPU limit was used up is the hard CPU limit (reported as SIGXCPU, which C code may not have
-    let through); a SIGKILL with an OOM kill counted in the jail's memory cgroup is the memory bound. Any other
-    SIGKILL came from outside the jail, which the host reports as infrastructure.
+    `cpu_s` is the CPU time the process had used: the host, which knows what it had used before its last call,
+    tells a SIGKILL at the hard CPU limit from a kill from outside. `oom` says whether the kernel's OOM killer acted
+    in the jail's memory cgroup (the session's memory bound).
     """
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime - cpu_before >= cpu_limit_s:
-            sig = signal.SIGXCPU
-        return {"signal": sig, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
+        cpu_s = usage.ru_utime + usage.ru_stime
+        return {"signal": sig, "cpu_s": cpu_s, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
     return {"exit": os.WEXITSTATUS(status)}
 
 

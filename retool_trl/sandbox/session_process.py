@@ -25,7 +25,8 @@ import traceback
 from collections import deque
 
 HEADER = struct.Struct("!I")
-REQUEST_FD, STATUS_FD = 3, 4  # in a session process: 0 /dev/null, 1 and 2 the output memfd
+# In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
+REQUEST_FD, STATUS_FD, READY_FD = 3, 4, 5
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000,
     0x4000000,
@@ -55,20 +56,6 @@ def read_exact(fd, n):
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-def take_frames(buffer, max_bytes):
-    """Pops complete frames off a bytearray; raises ValueError on an oversized or malformed one."""
-    frames = []
-    while len(buffer) >= HEADER.size:
-        (size,) = HEADER.unpack_from(buffer)
-        if size > max_bytes:
-            raise ValueError(f"a frame of {size} bytes")
-        if len(buffer) < HEADER.size + size:
-            break
-        frames.append(json.loads(bytes(buffer[HEADER.size : HEADER.size + size])))
-        del buffer[: HEADER.size + size]
-    return frames
 
 
 def check(result, what):
@@ -195,24 +182,12 @@ def children(pid="self"):
     return kids
 
 
-def descendants(pid, single_threaded=False):
-    """Every process below `pid` (of a parked, single-threaded process: one /proc file when there is none)."""
-    if single_threaded:
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-                if not f.read().strip():
-                    return []
-        except OSError:
-            return []
-    found, todo = [], children(pid)
-    while todo:
-        found.append(todo.pop())
-        todo.extend(children(found[-1]))
-    return found
-
-
 def _kill_descendants(own_uid):
     """Kills and reaps every process the cell started (as pid 1 of the jail, orphans come back to us)."""
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return  # no child at all, the usual case: no need to list /proc
     for _ in range(200):
         try:
             while os.waitpid(-1, os.WNOHANG)[0]:
@@ -373,8 +348,10 @@ def session_main(config, jail):
         _Cell(dict(config, show_last_expression=True), uid).run("print(1)\n2")
     cell = _Cell(config, uid)
     cpu_s = config["cpu_time_s"]
+    os.write(READY_FD, b"1")  # set up: a death from now on is a cell's doing, not the jail's
+    os.close(READY_FD)
     while True:
-        header = read_exact(REQUEST_FD, HEADER.size)  # the zygote sees us parked here between calls
+        header = read_exact(REQUEST_FD, HEADER.size)  # the host sees us parked here between calls
         if header is None:
             break
         request = json.loads(read_exact(REQUEST_FD, HEADER.unpack(header)[0]))
@@ -385,7 +362,7 @@ def session_main(config, jail):
         soft = int(used.ru_utime + used.ru_stime + cpu_s) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 2))  # SIGKILL at the hard limit, if C code ignores
         status = cell.run(request["code"])
-        os.write(STATUS_FD, frame(status))  # then park in the read above: the zygote kills us if fatal
+        os.write(STATUS_FD, frame(status))  # then park in the read above: the host kills us if fatal
     _kill_descendants(uid)
     os._exit(0)
 
@@ -411,26 +388,35 @@ def probe_jail():
 
 
 class Jail:
-    """The zygote's handle on one session process: its pipes, output memfd, cgroups and the call in flight."""
+    """The zygote's handle on one session process: its channels (until handed to the host) and its cgroups."""
 
-    def __init__(self, pid, request_w, status_r, output, cgroups, scratch):
+    def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
         self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
+        self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
         self.cgroups, self.scratch = cgroups, scratch
         self.host = None  # the session's socket to the host, once handed out
-        self.host_buffer, self.status_buffer, self.pending = bytearray(), bytearray(), b""
-        self.call_id = None  # the host's id of the call in flight
-        self.status = None  # the last status frame of that call, settled once the process is parked
+        self.set_up = False
         self.closed = False
-        self.cpu_before = 0.0  # CPU seconds the process had used when the call in flight started
+
+    def hand_over(self, host):
+        """The host now holds the request and status pipes: only it writes requests and reads statuses."""
+        self.host = host
+        host.setblocking(False)
+        for fd in (self.request_w, self.status_r):
+            os.close(fd)
+        self.request_w = self.status_r = None
 
     def close_fds(self):
         if self.closed:
             return
         self.closed = True
-        for fd in (self.request_w, self.status_r, self.output):
-            os.close(fd)
+        for fd in (self.request_w, self.status_r, self.output, self.ready_r):
+            if fd is not None:
+                os.close(fd)
+        self.request_w = self.status_r = self.ready_r = None
         if self.host is not None:
             self.host.close()
+            self.host = None
 
 
 def recv_control(sock):

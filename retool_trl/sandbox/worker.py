@@ -1,11 +1,12 @@
-"""The zygote of the local sandbox: forks one jailed session process per session, relays and settles its calls.
+"""The zygote of the local sandbox: forks one jailed session process per session, hands it to the host, reaps it.
 
 Executed as a script (`python -I worker.py CONFIG_JSON CONTROL_FD`), never imported by the trainer, and stdlib-only.
 It pre-imports the configured modules once, then forks jails ahead of demand (`session_process.py` is the jail's
-side). It is the only channel between a session and the host, and reports results itself: a call is settled only
-once the session process is parked again (one thread, blocked reading its request pipe), then that process is
-stopped until the next request; a death is reported with the zygote's own wait status, reaped with WNOHANG only.
-Frames on every socket and pipe: a 4-byte big-endian length, then UTF-8 JSON.
+side). A jail handed to a session goes to the host with its three channels (request pipe, status pipe, output
+memfd) and its pid as the host sees it: from then on the host runs calls on it directly and decides when a call is
+over (`zygote.py`, host side), without a hop through this process. The zygote keeps what a cell must not reach: it
+reaps deaths (with WNOHANG only) and tells the host how each jail died, from its own wait status.
+Frames on every socket: a 4-byte big-endian length, then UTF-8 JSON.
 """
 
 import errno
@@ -29,42 +30,35 @@ from reaping import death_cause, rmdir_quietly  # noqa: E402
 from session_process import (  # noqa: E402
     CLONE_NEWPID,
     PR_SET_PDEATHSIG,
-    REQUEST_FD,
     Jail,
     check,
-    descendants,
     frame,
     libc,
     prctl,
     probe_jail,
     recv_control,
     session_main,
-    take_frames,
     write_file,
 )
 
 del sys.path[0]
 
-_MAX_REQUEST = 16 * 1024 * 1024
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
-_PARK_POLL_S = 0.0002
 _RETIRE_BATCH = 32  # closed sessions kept stopped at most before they are killed even while busy
-_SYS_READ = str({"x86_64": 0, "aarch64": 63}.get(os.uname().machine)).encode()
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_SETUP_ERROR_CHARS = 400
 
 
 # ---------------------------------------------------------------------------------------------------------- zygote
 
 
 class _Zygote:
-    """Forks jails, relays requests, settles calls and reaps; runs as root inside bubblewrap when it can."""
+    """Forks jails, hands them out, reaps them and reports their deaths; runs as root inside bubblewrap when it can."""
 
     def __init__(self, control, config):
         self.control, self.config = control, config
-        self.jails = {}  # pid -> _Jail (spares and sessions)
+        self.jails = {}  # pid -> Jail (spares and sessions)
         self.spares = []  # pids of jails waiting for a session, oldest first
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
-        self.unsettled = set()  # jails whose status arrived, waiting for their process to park
         self.retired = []  # closed sessions, stopped, to be killed at the next idle moment
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
@@ -100,6 +94,7 @@ class _Zygote:
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
         request_r, request_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)  # closed by the jail once set up, before any cell runs
         output = os.memfd_create("output", os.MFD_CLOEXEC)
         try:
             cgroups = self._new_cgroups(name)
@@ -115,21 +110,20 @@ class _Zygote:
         if pid == 0:
             try:
                 devnull = os.open("/dev/null", os.O_RDONLY)
-                mine = [os.dup(fd) for fd in (devnull, output, output, request_r, status_w)]
+                mine = [os.dup(fd) for fd in (devnull, output, output, request_r, status_w, ready_w)]
                 for target, fd in enumerate(mine):
                     os.dup2(fd, target)
-                os.closerange(5, 1 << 16)
+                os.closerange(len(mine), 1 << 16)
                 session_main(self.config, {"name": name, "uid": uid, "cgroups": cgroups, "warm": warm})
             except BaseException:  # noqa: B036 - a child must never return into the zygote's loop
                 traceback.print_exc()
             os._exit(70)
-        os.close(request_r)
-        os.close(status_w)
-        os.set_blocking(request_w, False)
-        os.set_blocking(status_r, False)
+        for fd in (request_r, status_w, ready_w):
+            os.close(fd)
         scratch = None if self.config["jail"] else os.path.join(self.config["scratch_root"], name)
-        self.jails[pid] = jail = Jail(pid, request_w, status_r, output, cgroups, scratch)
-        self.selector.register(status_r, selectors.EVENT_READ, ("status", jail))
+        self.jails[pid] = jail = Jail(pid, request_w, status_r, output, ready_r, cgroups, scratch)
+        os.set_blocking(ready_r, False)
+        self.selector.register(ready_r, selectors.EVENT_READ, ("ready", jail))
         return pid
 
     def spawn(self, fds):
@@ -145,149 +139,68 @@ class _Zygote:
                 host.close()
                 return {"error": f"could not start a jail: {exc}"}
         jail = self.jails[self.spares.pop(0)]
-        jail.host = host
         try:
             os.setpriority(os.PRIO_PROCESS, jail.pid, 0)  # only root may lower niceness again: we are root here
         except OSError:
             pass
-        host.setblocking(False)
-        self.selector.register(host, selectors.EVENT_READ, ("host", jail))
-        # Tell the host the session's pid as *it* sees it (SCM_CREDENTIALS are translated between pid namespaces;
-        # naming another process's pid needs CAP_SYS_ADMIN, which the zygote has when it runs as root).
+        # The hello carries the jail's channels, and its pid as the host sees it: SCM_CREDENTIALS are translated
+        # between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which we have as root).
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
         try:
-            creds = struct.pack("3i", jail.pid, os.getuid(), os.getgid())
-            hello = frame({"hello": True, "pid": jail.pid, "creds": True})
-            host.sendmsg([hello], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
-        except OSError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            host.sendall(frame({"hello": True, "pid": jail.pid, "creds": False}))
+            creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
+            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": True})], [creds, rights])
+        except PermissionError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
+            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": False})], [rights])
+        except OSError as exc:
+            host.close()
+            self.kill(jail)
+            return {"error": f"could not hand the jail over: {exc}"}
+        jail.hand_over(host)  # the host alone writes requests and reads statuses from now on
+        self.selector.register(host, selectors.EVENT_READ, ("host", jail))
         return {"pid": jail.pid}
 
-    # -------------------------------------------------------------------------------------------------- calls
+    # ------------------------------------------------------------------------------------------------ events
 
     def on_host(self, jail):
+        """The host's socket of a session is only ever closed (the session ended): nothing else comes on it."""
         try:
-            data = jail.host.recv(1 << 16)
+            data = jail.host.recv(1 << 12)
         except BlockingIOError:
             return
         except OSError:
             data = b""
         if not data:
-            return self.retire(jail)  # the session was closed (or the host is gone)
-        jail.host_buffer += data
-        try:
-            requests = take_frames(jail.host_buffer, _MAX_REQUEST)
-        except ValueError:
-            return self.kill(jail)
-        for request in requests:
-            if jail.call_id is not None:
-                continue  # one call at a time; the host never sends another before a reply
-            jail.call_id, jail.status = request.get("id"), None
-            jail.status_buffer.clear()
-            jail.pending += frame({"code": str(request.get("code", ""))})
-            self.flush_request(jail)
-            os.kill(jail.pid, signal.SIGCONT)  # after the write: it resumes with its request already there
+            self.retire(jail)
 
-    def flush_request(self, jail):
+    def on_ready(self, jail):
         try:
-            written = os.write(jail.request_w, jail.pending) if jail.pending else 0
-        except BlockingIOError:
-            written = 0
-        except OSError:
-            written, jail.pending = 0, b""  # the process is gone: its death settles the call
-        jail.pending = jail.pending[written:]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if jail.pending else 0)
-        self.selector.modify(jail.host, events, ("host", jail))
-
-    def on_status(self, jail):
-        try:
-            data = os.read(jail.status_r, 1 << 16)
+            data = os.read(jail.ready_r, 16)
         except BlockingIOError:
             return
-        if not data:
-            return
-        jail.status_buffer += data
+        jail.set_up = jail.set_up or bool(data)
+        self.selector.unregister(jail.ready_r)
+        os.close(jail.ready_r)
+        jail.ready_r = None
+
+    def report_death(self, jail, status, usage):
+        """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
+        cause = death_cause(status, usage, jail.cgroups)
+        if not jail.set_up:  # died before its first cell could run: the jail itself failed
+            cause["setup_failed"] = self.setup_error(jail)
         try:
-            frames = take_frames(jail.status_buffer, 64 * self.config["max_output_chars"] + (1 << 16))
-        except ValueError:  # garbage on the status pipe: the call still ends only when the process parks or dies
-            jail.status_buffer.clear()
-            frames = [
-                {
-                    "ok": False,
-                    "error": "SystemError: the interpreter sent an invalid status\n",
-                    "fatal": "invalid status",
-                }
-            ]
-        if frames and jail.call_id is not None and (jail.status or {}).get("fatal") != "invalid status":
-            jail.status = frames[-1]
-            self.unsettled.add(jail)  # a forged frame followed by more work is superseded by the real one
-
-    def parked(self, jail):
-        """True when the session process is single-threaded and blocked reading its request pipe: the cell is over
-        (whatever it wrote on its status pipe before) and nothing of it can still run."""
-        try:
-            with open(f"/proc/{jail.pid}/syscall", "rb") as f:
-                fields = f.read().split()
-            with open(f"/proc/{jail.pid}/stat", "rb") as f:
-                stat = f.read().rsplit(b")", 1)[1].split()
-            threads = int(stat[17])
-            # Stopped from here until the next call: this is the CPU time the next call starts from.
-            jail.cpu_before = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
-        except (OSError, IndexError, ValueError):
-            return False
-        return threads == 1 and len(fields) > 1 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD
-
-    def settle(self, jail):
-        os.kill(jail.pid, signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
-        for pid in descendants(jail.pid, single_threaded=True):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        status = jail.status if isinstance(jail.status, dict) else {}
-        reply = dict(
-            self.read_output(jail, status.get("skipped", 0)),
-            id=jail.call_id,
-            ok=status.get("ok") is True,
-            error=str(status.get("error") or ""),
-            fatal=status.get("fatal") and str(status["fatal"]),
-        )
-        jail.call_id, jail.status = None, None
-        self.unsettled.discard(jail)
-        self.send(jail, reply)
-        if reply["fatal"]:
-            self.kill(jail)
-
-    def settle_crash(self, jail, crash):
-        if jail.call_id is not None:
-            self.send(jail, dict(self.read_output(jail), id=jail.call_id, crash=crash))
-        jail.call_id = None
-        self.kill(jail)
-
-    def read_output(self, jail, skipped=0):
-        """The bounded head and tail of what the cell wrote (bytes decoded with replacement: always valid text)."""
-        size = os.fstat(jail.output).st_size
-        limit = 4 * self.config["max_output_chars"]
-        skipped = min(max(0, skipped), 1 << 40) if isinstance(skipped, int) else 0
-        if size <= 2 * limit:
-            text = os.pread(jail.output, size, 0).decode("utf-8", "replace")
-            return {"head": text, "tail": text, "total": len(text) + skipped}
-        head = os.pread(jail.output, limit, 0).decode("utf-8", "replace")
-        tail = os.pread(jail.output, limit, size - limit).decode("utf-8", "replace")
-        return {"head": head, "tail": tail, "total": len(head) + len(tail) + size - 2 * limit + skipped}
-
-    def send(self, jail, reply):
-        data = frame(reply)
-        try:
-            try:
-                sent = jail.host.send(data)  # a reply almost always fits the socket buffer: no blocking toggles
-            except BlockingIOError:
-                sent = 0
-            if sent < len(data):
-                jail.host.setblocking(True)
-                jail.host.sendall(data[sent:])
-                jail.host.setblocking(False)
+            jail.host.sendall(frame({"crash": cause}))
         except OSError:
-            pass  # the host gave up on this call (timeout): the session is being killed
+            pass  # the host has already given up on this session
+
+    def setup_error(self, jail):
+        """The last line of what a jail that failed to set up printed (its traceback, before any cell ran)."""
+        try:
+            size = os.fstat(jail.output).st_size
+            text = os.pread(jail.output, 4096, max(0, size - 4096)).decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        lines = text.strip().splitlines()
+        return lines[-1][:_SETUP_ERROR_CHARS] if lines else "no error message"
 
     # ------------------------------------------------------------------------------------------ deaths, cleanup
 
@@ -299,7 +212,6 @@ class _Zygote:
                 kill(jail.pid, signal.SIGKILL)
             except OSError:
                 pass
-        jail.call_id = None
         self.forget(jail)
 
     def retire(self, jail):
@@ -309,7 +221,6 @@ class _Zygote:
             os.kill(jail.pid, signal.SIGSTOP)
         except ProcessLookupError:
             pass
-        jail.call_id = None
         self.forget(jail)
         self.retired.append(jail)
         if len(self.retired) >= _RETIRE_BATCH:
@@ -321,17 +232,15 @@ class _Zygote:
             self.kill(jail)
 
     def forget(self, jail):
-        self.unsettled.discard(jail)
         if jail.closed:
             return
-        for fileobj in (jail.status_r, jail.host):
-            if fileobj is not None:
+        for fd in (jail.ready_r, jail.host):
+            if fd is not None:
                 try:
-                    self.selector.unregister(fileobj)
+                    self.selector.unregister(fd)
                 except (KeyError, ValueError):
                     pass
         jail.close_fds()
-        jail.host = None
 
     def reap(self):
         """Reaps every dead child without ever blocking, so any number of deaths at once cost one pass."""
@@ -349,9 +258,10 @@ class _Zygote:
                 self.spares.remove(pid)
             if jail in self.retired:
                 self.retired.remove(jail)
-            if jail.call_id is not None and not jail.closed:
-                cause = death_cause(status, usage, jail.cpu_before, self.config["cpu_time_s"], jail.cgroups)
-                self.settle_crash(jail, cause)
+            if jail.ready_r is not None:
+                self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
+            if jail.host is not None and not jail.closed:
+                self.report_death(jail, status, usage)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
@@ -397,18 +307,16 @@ class _Zygote:
             },
         )
         while True:
-            waiting = [j for j in self.unsettled if j.status is not None and j.call_id is not None and not j.closed]
             refill = len(self.spares) < self.config["spares"] or self.retired
-            timeout = _PARK_POLL_S if waiting else _REFILL_AFTER_S if refill else None
-            events = self.selector.select(timeout)
-            if not events and self.retired and not waiting:
+            events = self.selector.select(_REFILL_AFTER_S if refill else None)
+            if not events and self.retired:
                 self.kill_retired()
-            elif not events and refill and not waiting:
+            elif not events and refill:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
                 except OSError:
                     time.sleep(0.1)  # out of processes or memory: do not spin
-            for key, mask in events:
+            for key, _ in events:
                 kind, jail = key.data
                 if kind == "wake":
                     wake_r.recv(4096)
@@ -420,20 +328,10 @@ class _Zygote:
                         return
                 elif jail.closed:
                     continue
-                elif kind == "status":
-                    self.on_status(jail)
-                else:
-                    if mask & selectors.EVENT_WRITE:
-                        self.flush_request(jail)
-                    if mask & selectors.EVENT_READ and not jail.closed:
-                        self.on_host(jail)
-            for jail in [j for j in self.unsettled if j.status is not None and j.call_id is not None]:
-                for _ in range(20):  # it parks microseconds after its status: yield the CPU rather than sleep
-                    if jail.closed or self.parked(jail):
-                        break
-                    os.sched_yield()
-                if not jail.closed and self.parked(jail):
-                    self.settle(jail)
+                elif kind == "ready" and jail.ready_r is not None:
+                    self.on_ready(jail)
+                elif kind == "host" and jail.host is not None:
+                    self.on_host(jail)
 
     def on_control(self):
         try:

@@ -1,4 +1,4 @@
-"""Host side of the local sandbox's processes: the zygote (start, fork requests, shutdown) and a session's handle."""
+"""Host side of the local sandbox's zygote process: start, fork requests, shutdown (`channel.py` runs the calls)."""
 
 from __future__ import annotations
 
@@ -111,43 +111,3 @@ class _Zygote:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-
-
-class _Proc:
-    """The host's handle on one session process (kept apart from `LocalSession` so finalizers need no session)."""
-
-    __slots__ = ("sock", "pid", "host_pid", "pidfd", "buffer", "__weakref__")
-
-    def __init__(self, sock: socket.socket, pid: int):
-        self.sock = sock
-        self.pid = pid  # as the zygote sees it (inside the sandbox's pid namespace)
-        self.host_pid: int | None = None  # as we see it, from the hello's SCM_CREDENTIALS
-        self.pidfd: int | None = None  # signals through it cannot hit a recycled pid
-        self.buffer = bytearray()
-
-    def learn_pid(self, host_pid: int) -> None:
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-        self.host_pid = host_pid
-        try:
-            self.pidfd = os.pidfd_open(host_pid)
-        except (AttributeError, OSError):
-            self.pidfd = None
-
-    def hard_kill(self) -> None:
-        """SIGKILL now, without a round trip through the zygote (which then sweeps what is left)."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        # The session process exits on EOF (after killing whatever its cells started); the zygote reaps it.
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None

@@ -1,0 +1,267 @@
+"""The host's direct line to one jailed session process: request pipe, status pipe, output memfd, pidfd.
+
+The zygote forks the jail and hands these over once (with the jail's pid as this process sees it); every call then
+goes straight from here to the session process and back, without a hop through the zygote. What a cell could forge
+does not decide anything: a call is over only when `parked()` sees the process blocked, single-threaded, reading its
+empty request pipe; its output is read from the memfd with a bound; its timeout is kept here and enforced through
+the pidfd. The zygote's only message on the socket is how the process died (its own wait status).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import platform
+import signal
+import socket
+import struct
+import termios
+
+from .protocol import CREDS, frame, take_frames
+
+REQUEST_FD = 3  # the session process's request pipe (see session_process.py, which the trainer never imports)
+_SYS_READ = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
+_MAX_STATUS = 1 << 20
+
+
+class SessionProcess:
+    """The host's handle on one session process, created from the zygote's hello on the session's socket.
+
+    Args:
+        sock (`socket.socket`): The session's socket to the zygote (closing it ends the session).
+        pid (`int`): The process's pid as the zygote sees it (inside the sandbox's pid namespace).
+        host_pid (`int`): The same process as this process sees it (from the hello's SCM_CREDENTIALS).
+        fds (`list[int]`): The request pipe's write end, the status pipe's read end and the output memfd.
+    """
+
+    __slots__ = (
+        "sock",
+        "pid",
+        "host_pid",
+        "pidfd",
+        "request_w",
+        "status_r",
+        "output",
+        "proc_fds",
+        "socket_buffer",
+        "status_buffer",
+        "pending",
+        "status",
+        "cpu_before",
+        "zygote_gone",
+        "__weakref__",
+    )
+
+    def __init__(self, sock: socket.socket, pid: int, host_pid: int, fds: list[int]):
+        self.sock, self.pid, self.host_pid = sock, pid, host_pid
+        self.request_w, self.status_r, self.output = fds
+        os.set_blocking(self.request_w, False)
+        os.set_blocking(self.status_r, False)
+        try:
+            self.pidfd: int | None = os.pidfd_open(host_pid)  # signals through it cannot hit a recycled pid
+        except OSError:
+            self.pidfd = None
+        self.proc_fds: dict[str, int] = {}  # /proc files kept open: a pread is 5x cheaper than an open
+        self.socket_buffer, self.status_buffer = bytearray(), bytearray()
+        self.pending = b""  # the part of a large request the pipe did not take yet
+        self.status: dict | None = None  # the last status frame of the call in flight
+        self.cpu_before = 0.0  # CPU seconds used when the call in flight started
+        self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
+
+    @classmethod
+    def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
+        """Reads the zygote's hello (sent before its reply to the spawn request, so already here)."""
+        sock.settimeout(timeout_s)
+        space = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * _HELLO_FDS)
+        data, ancdata, _, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
+        fds, host_pid = [], None
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4])
+            elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= CREDS.size:
+                host_pid = CREDS.unpack(payload[: CREDS.size])[0]
+        buffer = bytearray(data)
+        hello = take_frames(buffer, 1 << 12)
+        if len(fds) != _HELLO_FDS or not hello or not hello[0].get("hello"):
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the sandbox zygote sent an invalid hello")
+        if not hello[0].get("creds"):  # unprivileged: the zygote shares our pid namespace
+            host_pid = int(hello[0]["pid"])
+        sock.setblocking(False)
+        proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
+        proc.socket_buffer = buffer
+        return proc
+
+    # --------------------------------------------------------------------------------------------------- calls
+
+    def begin(self, request: dict) -> bool:
+        """Sends a request and lets the process run; False when it can no longer take one (it died)."""
+        self.status, self.status_buffer = None, bytearray()
+        self._drain_status()  # nothing a cell's late writer left there may count for this call
+        self.cpu_before = self.sched_state()[1] or 0.0
+        self.pending = frame(request)
+        if not self.flush():
+            return False
+        self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
+        return True
+
+    def flush(self) -> bool:
+        """Writes what the request pipe takes of the pending request; False when the process is gone."""
+        try:
+            written = os.write(self.request_w, self.pending) if self.pending else 0
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self.pending = b""
+            return False
+        self.pending = self.pending[written:]
+        return True
+
+    def read_status(self) -> bool:
+        """Reads the status pipe; keeps the last complete frame as the call's status. False at EOF (a death)."""
+        try:
+            data = os.read(self.status_r, 1 << 16)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        self.status_buffer += data
+        try:
+            frames = take_frames(self.status_buffer, _MAX_STATUS)
+        except ValueError:  # garbage: the call still ends only when the process parks or dies, and fails
+            self.status_buffer.clear()
+            frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n"}]
+            frames[0]["fatal"] = "invalid status"
+        if frames and (self.status or {}).get("fatal") != "invalid status":
+            self.status = frames[-1] if isinstance(frames[-1], dict) else {"fatal": "invalid status"}
+        return True
+
+    def _drain_status(self) -> None:
+        try:
+            while os.read(self.status_r, 1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def parked(self) -> bool:
+        """True when the process is single-threaded, blocked reading its request pipe, and that pipe is empty: the
+        cell is over (whatever it wrote before) and nothing of it can still run."""
+        try:
+            syscall = os.pread(self._proc_fd("syscall"), 256, 0).split()
+            threads = int(os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()[17])
+            unread = struct.unpack("i", fcntl.ioctl(self.request_w, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, IndexError, ValueError):
+            return False
+        return (
+            threads == 1
+            and unread == 0
+            and not self.pending
+            and len(syscall) > 1
+            and syscall[0] == _SYS_READ
+            and int(syscall[1], 16) == REQUEST_FD
+        )
+
+    def settle(self, output_limit: int) -> dict:
+        """Ends a call whose process is parked: stops it until the next call, kills what its cell left running,
+        and returns the reply (the status, and the bounded head and tail of its output)."""
+        self.signal(signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
+        self._kill_descendants()
+        status = self.status if isinstance(self.status, dict) else {}
+        skipped = status.get("skipped", 0)
+        return dict(
+            self.read_output(skipped if isinstance(skipped, int) else 0, output_limit),
+            ok=status.get("ok") is True,
+            error=str(status.get("error") or ""),
+            fatal=status.get("fatal") and str(status["fatal"]),
+        )
+
+    def read_output(self, skipped: int = 0, limit: int = 1 << 16) -> dict:
+        """The bounded head and tail of what the cell wrote (decoded with replacement: always valid text)."""
+        size = os.fstat(self.output).st_size
+        skipped = min(max(0, skipped), 1 << 40)
+        if size <= 2 * limit:
+            text = os.pread(self.output, size, 0).decode("utf-8", "replace")
+            return {"head": text, "tail": text, "total": len(text) + skipped}
+        head = os.pread(self.output, limit, 0).decode("utf-8", "replace")
+        tail = os.pread(self.output, limit, size - limit).decode("utf-8", "replace")
+        return {"head": head, "tail": tail, "total": len(head) + len(tail) + size - 2 * limit + skipped}
+
+    def death_notice(self) -> dict | None:
+        """The zygote's account of this process's death (`{"exit": n}` or `{"signal": n, ...}`), if it came."""
+        try:
+            while data := self.sock.recv(1 << 12):
+                self.socket_buffer += data
+            self.zygote_gone = True
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.zygote_gone = True
+        try:
+            frames = take_frames(self.socket_buffer, 1 << 16)
+        except ValueError:
+            return None
+        crash = next((f["crash"] for f in frames if isinstance(f, dict) and isinstance(f.get("crash"), dict)), None)
+        return crash
+
+    # ---------------------------------------------------------------------------------------------- processes
+
+    def sched_state(self) -> tuple[str | None, float | None]:
+        """Scheduler state ("R" = running or runnable) and CPU seconds so far, from /proc/PID/stat."""
+        try:
+            fields = os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()
+            return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
+            return None, None
+
+    def _proc_fd(self, name: str) -> int:
+        fd = self.proc_fds.get(name)
+        if fd is None:
+            path = f"task/{self.host_pid}/children" if name == "children" else name
+            fd = self.proc_fds[name] = os.open(f"/proc/{self.host_pid}/{path}", os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    def _kill_descendants(self) -> None:
+        """SIGKILLs whatever the (stopped, single-threaded) process still has below it: processes its cell left."""
+        try:
+            todo = [int(p) for p in os.pread(self._proc_fd("children"), 1 << 16, 0).split()]
+        except (OSError, ValueError):
+            return
+        seen = set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+                    todo += [int(p) for p in f.read().split()]
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+    def signal(self, sig: int) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except OSError:
+                pass
+
+    def hard_kill(self) -> None:
+        """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left)."""
+        self.signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Ends the session: the zygote sees its socket close and retires the jail. Idempotent."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
+        self.request_w = self.status_r = self.output = self.pidfd = None
+        self.proc_fds = {}
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
