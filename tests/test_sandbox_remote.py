@@ -1,5 +1,6 @@
 """`RemoteSandbox` against a small SandboxFusion-like server on 127.0.0.1 (stdlib http.server + subprocess)."""
 
+import email.utils
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
+from retool_trl.sandbox import remote as remote_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,7 +24,9 @@ class FakeSandboxFusion(ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.requests = []
-        self.failures = []  # consumed one per request: "500", "sandbox_error", "garbage"
+        # Consumed one per request: "sandbox_error", "garbage", "drop" (close without a reply) or an HTTP status,
+        # optionally with a Retry-After value ("503:2").
+        self.failures = []
         self.lock = threading.Lock()
 
     @property
@@ -34,10 +38,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _reply(self, status, body):
+    def _reply(self, status, body, retry_after=""):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        if retry_after:
+            self.send_header("Retry-After", retry_after)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -50,8 +56,12 @@ class _Handler(BaseHTTPRequestHandler):
             failure = server.failures.pop(0) if server.failures else None
         if self.path != "/run_code":
             return self._reply(404, {"detail": "not found"})
-        if failure == "500":
-            return self._reply(500, {"detail": "internal"})
+        if failure == "drop":
+            self.close_connection = True
+            return None
+        if failure and failure[0].isdigit():
+            status, _, retry_after = failure.partition(":")
+            return self._reply(int(status), {"detail": "failure"}, retry_after)
         if failure == "garbage":
             return self._reply(200, b"<html>proxy error</html>")
         if failure == "sandbox_error":
@@ -218,3 +228,88 @@ def test_output_is_valid_text_whatever_is_printed(sandbox):
     r = sandbox.session().run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\n')")
     r.output.encode("utf-8")  # strict: no lone surrogates
     assert r.ok and r.output.startswith("ok "), r
+
+
+@pytest.fixture
+def delays(monkeypatch):
+    """The waits between attempts, recorded instead of slept."""
+    recorded = []
+    monkeypatch.setattr(remote_module, "_sleep", recorded.append)
+    return recorded
+
+
+@pytest.mark.parametrize("failure", ["503", "429", "500", "drop", "garbage", "sandbox_error"])
+def test_service_failures_get_retries_plus_one_attempts(server, delays, failure):
+    server.failures[:] = [failure] * 10
+    before = len(server.requests)
+    with RemoteSandbox(server.url, retries=3, backoff_s=0.01) as sb:
+        r = sb.session().run("print(1)")
+    server.failures.clear()
+    assert not r.ok and r.infra_error and not r.timed_out
+    assert len(server.requests) - before == 4 and len(delays) == 3
+    assert r.output.startswith("SandboxError: the code execution service failed") and "(after 4 attempts)" in r.output
+
+
+def test_connection_refused_gets_retries_plus_one_attempts(delays):
+    with RemoteSandbox("http://127.0.0.1:9", retries=2, backoff_s=0.01, request_timeout_s=2.0) as sb:
+        r = sb.session().run("print(1)")
+    assert r.infra_error and "ConnectError" in r.output and "(after 3 attempts)" in r.output
+    assert len(delays) == 2
+
+
+@pytest.mark.parametrize("status", ["400", "404", "422"])
+def test_client_errors_are_not_retried(sandbox, server, delays, status):
+    server.failures[:] = [status] * 3
+    before = len(server.requests)
+    r = sandbox.session().run("print(1)")
+    server.failures.clear()
+    assert not r.ok and r.infra_error and f"HTTP {status}" in r.output and "attempts" not in r.output
+    assert len(server.requests) - before == 1 and delays == []
+
+
+def test_retry_that_succeeds_gives_the_real_result(sandbox, server, delays):
+    server.failures[:] = ["503"]
+    s = sandbox.session()
+    r = s.run("x = 5\nprint(x * 2)")
+    assert r.ok and not r.infra_error and r.output == "10\n" and len(delays) == 1
+    bad = s.run("print(x)\nraise KeyError('k')")  # the retried cell was kept for replay; a cell error stays its own
+    assert not bad.ok and not bad.infra_error and bad.output.startswith("5\n") and "KeyError: 'k'" in bad.output
+
+
+def test_backoff_grows_with_jitter(server, delays):
+    server.failures[:] = ["500"] * 10
+    with RemoteSandbox(server.url, retries=5, backoff_s=0.1) as sb:
+        r = sb.session().run("print(1)")
+    server.failures.clear()
+    assert r.infra_error and len(delays) == 5
+    # Attempt k waits backoff_s * 2**(k-1) plus a jitter of up to backoff_s.
+    for k, delay in enumerate(delays):
+        assert 0.1 * 2**k <= delay <= 0.1 * 2**k + 0.1 + 1e-9, delays
+    assert delays == sorted(delays)
+    assert [round(d - 0.1 * 2**k, 9) for k, d in enumerate(delays)] != [0.0] * 5  # the jitter is there
+
+
+def test_backoff_is_capped(server, delays):
+    server.failures[:] = ["500"] * 10
+    with RemoteSandbox(server.url, retries=2, backoff_s=100.0) as sb:
+        assert sb.session().run("print(1)").infra_error
+    server.failures.clear()
+    assert delays == [remote_module._MAX_WAIT_S] * 2
+
+
+@pytest.mark.parametrize("status", ["429", "503"])
+def test_retry_after_is_honoured_and_capped(server, delays, status):
+    http_date = email.utils.formatdate(time.time() + 20, usegmt=True)
+    server.failures[:] = [f"{status}:7", f"{status}:{http_date}", f"{status}:3600", f"{status}:soon"]
+    with RemoteSandbox(server.url, retries=4, backoff_s=0.01) as sb:
+        r = sb.session().run("print('served')")
+    assert r.ok and r.output == "served\n"
+    assert delays[0] == 7.0 and 18.0 <= delays[1] <= 20.0 and delays[2] == remote_module._MAX_WAIT_S
+    assert delays[3] < 0.1  # an unreadable value falls back to the backoff
+
+
+def test_retry_after_never_shortens_the_backoff(server, delays):
+    server.failures[:] = ["503:0"]
+    with RemoteSandbox(server.url, retries=1, backoff_s=0.5) as sb:
+        assert sb.session().run("print(1)").ok
+    assert 0.5 <= delays[0] <= 1.0

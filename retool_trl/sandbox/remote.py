@@ -3,13 +3,20 @@
 The service is stateless (every request is a fresh interpreter), so a session replays its earlier *successful* cells,
 with their output suppressed, before the new one. Cells that failed are not replayed: what the model saw as an error
 leaves no state behind, like a notebook whose failed cell was deleted.
+
+Why not the official `sandbox-fusion` client (0.3.7, read from its source): each call is a bare `requests.post` (a
+new connection, no custom headers, so no authentication, no connection limit) or a new `aiohttp` session; it retries
+*every* exception alike, HTTP 400 and response-validation errors included, with a fixed backoff (1-2 s, then doubling)
+of which only the number of attempts can be set; its pydantic request model refuses any `language` outside a fixed
+list; and it would bring `requests`, `aiohttp` and nine more packages next to the `httpx` already used here, for a
+request of three JSON fields.
 """
 
 from __future__ import annotations
 
 import base64
+import email.utils
 import json
-import random
 import threading
 import time
 import weakref
@@ -112,8 +119,39 @@ def _driver(cells: list[str], show_last_expression: bool) -> str:
     return _DRIVER.replace("@PAYLOAD@", payload).replace("@SHOW@", repr(bool(show_last_expression)))
 
 
+# A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
+# better served by an infrastructure error (retried or dropped by the caller) than by a stalled batch.
+_MAX_WAIT_S = 30.0
+
+# The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
+_sleep = time.sleep
+
+
 class _ServiceFailure(Exception):
     """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's."""
+
+
+class _Retryable(Exception):
+    """A failure of the service that may pass on another attempt (transport, HTTP 5xx/429, bad JSON, SandboxError)."""
+
+    def __init__(self, problem: str, retry_after: float | None = None):
+        super().__init__(problem)
+        self.retry_after = retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds asked by an HTTP `Retry-After` header (delta-seconds or HTTP-date), or `None`."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time()) if when.tzinfo else None
 
 
 class RemoteSession(SessionBase):
@@ -136,8 +174,9 @@ class RemoteSandbox:
 
     Each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout"}`) carrying the
     session's earlier successful cells (replayed silently) and the new cell. Requests run concurrently, at most
-    `max_concurrency` at once. Transport errors, HTTP 5xx/429 and `SandboxError` responses are retried with
-    exponential backoff; a cell's own exception or timeout never is. When retries run out the cell gets
+    `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError` responses are retried
+    (through `tenacity`) with exponential backoff and jitter, never sooner than an HTTP `Retry-After` asks; another
+    HTTP 4xx, a cell's own exception or its timeout never is. When retries run out, or on that 4xx, the cell gets
     `ExecResult(ok=False, infra_error=True)`.
 
     Args:
@@ -145,7 +184,8 @@ class RemoteSandbox:
         timeout_s (`float`, defaults to `5.0`): Time limit of one cell (the service's `run_timeout`).
         max_concurrency (`int`, defaults to `32`): Requests in flight at once.
         retries (`int`, defaults to `3`): Extra attempts after a failure of the service.
-        backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time, with jitter.
+        backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time (at most 30 s), plus a random
+            jitter of up to `backoff_s` so that the retries of a batch do not arrive together.
         request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s).
         max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
@@ -280,36 +320,56 @@ class RemoteSandbox:
         return self._result(session, code, response, duration)
 
     def _post(self, body: dict, run_timeout: float) -> dict:
-        """POSTs with retries on failures of the service; returns the response JSON."""
-        import httpx
+        """POSTs with retries on failures of the service; returns the response JSON.
+
+        Raises:
+            `_ServiceFailure`: at once on an HTTP 4xx other than 429 (a bad request stays bad), or when the retries
+                run out, with the last problem and the number of attempts.
+        """
+        import tenacity
 
         client, _ = self._start()
         timeout = self.request_timeout_s or run_timeout + 30.0
-        problem = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                time.sleep(delay * (0.5 + random.random()))  # jitter: retries of a batch do not arrive together
-            try:
-                reply = client.post(f"{self.url}/run_code", json=body, timeout=timeout)
-            except httpx.HTTPError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            if reply.status_code >= 500 or reply.status_code == 429:
-                problem = f"HTTP {reply.status_code}"
-                continue
-            if reply.status_code >= 400:
-                raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
-            try:
-                data = reply.json()
-            except ValueError:
-                problem = "invalid JSON in the response"
-                continue
-            if not isinstance(data, dict) or data.get("status") == "SandboxError":
-                problem = f"SandboxError: {str(data.get('message', '') if isinstance(data, dict) else data)[:200]}"
-                continue
-            return data
-        raise _ServiceFailure(f"{problem} (after {self.retries + 1} attempts)")
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_Retryable),
+            stop=tenacity.stop_after_attempt(self.retries + 1),
+            wait=self._wait,
+            sleep=_sleep,
+        )
+        try:
+            return retrying(self._attempt, client, body, timeout)
+        except tenacity.RetryError as exc:
+            last = exc.last_attempt
+            raise _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)") from None
+
+    def _wait(self, retry_state) -> float:
+        """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
+        import tenacity
+
+        backoff = tenacity.wait_exponential(multiplier=self.backoff_s) + tenacity.wait_random(0, self.backoff_s)
+        asked = getattr(retry_state.outcome.exception(), "retry_after", None) or 0.0
+        return min(max(backoff(retry_state), asked), _MAX_WAIT_S)
+
+    def _attempt(self, client, body: dict, timeout: float) -> dict:
+        """One request. Raises `_Retryable` on a failure of the service, `_ServiceFailure` on a client error."""
+        import httpx
+
+        try:
+            reply = client.post(f"{self.url}/run_code", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code >= 500 or reply.status_code == 429:
+            asked = _retry_after(reply.headers.get("Retry-After")) if reply.status_code in (429, 503) else None
+            raise _Retryable(f"HTTP {reply.status_code}", asked)
+        if reply.status_code >= 400:
+            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
+        try:
+            data = reply.json()
+        except ValueError:
+            raise _Retryable("invalid JSON in the response") from None
+        if not isinstance(data, dict) or data.get("status") == "SandboxError":
+            raise _Retryable(f"SandboxError: {str(data.get('message', '') if isinstance(data, dict) else data)[:200]}")
+        return data
 
     def _result(self, session: RemoteSession, code: str, response: dict, duration: float) -> ExecResult:
         run = response.get("run_result") or {}
