@@ -313,3 +313,39 @@ def test_retry_after_never_shortens_the_backoff(server, delays):
     with RemoteSandbox(server.url, retries=1, backoff_s=0.5) as sb:
         assert sb.session().run("print(1)").ok
     assert 0.5 <= delays[0] <= 1.0
+
+
+NOTEBOOK = [
+    "x = 6 * 7",
+    "x",
+    "print(x)\n1/0",
+    "undefined_name",
+    "def f(:\n  pass",
+    "import sys\nsys.exit(0)",
+    "exit()",
+    "import sys\nsys.exit(3)",
+    "print('a' * 3000)",
+    "None",
+    "x + 1",
+    "def g():\n    return 1/0\ng()",
+    "import sys\nprint('err', file=sys.stderr)\nprint('out')",
+    "raise KeyboardInterrupt",
+    "assert x == 1, 'nope'",
+    "y = [x] * 2\ny",
+]
+
+
+def test_the_model_sees_the_same_text_from_both_backends(server):
+    """The same notebook through a real `LocalSandbox` and through the service: the model must not be able to tell
+    them apart (output, cell names in tracebacks, ok), whatever the cells did before (a `sys.exit(0)` included)."""
+    from retool_trl.sandbox import LocalSandbox
+
+    server.failures.clear()
+    with (
+        LocalSandbox(num_workers=1, timeout_s=5.0, max_output_chars=500, preload=()) as local,
+        RemoteSandbox(server.url, timeout_s=5.0, max_output_chars=500) as remote,
+    ):
+        a, b = local.session(), remote.session()
+        for cell in NOTEBOOK:
+            ours, theirs = a.run(cell), b.run(cell)
+            assert (theirs.output, theirs.ok) == (ours.output, ours.ok), cell

@@ -32,7 +32,7 @@ __all__ = ["RemoteSandbox", "RemoteSession"]
 _DRIVER = r"""
 import ast, base64, json, linecache, os, sys, traceback
 
-CELLS = json.loads(base64.b64decode("@PAYLOAD@"))
+CELLS, NUMBERS = json.loads(base64.b64decode("@PAYLOAD@"))  # sources, and their call numbers (like a notebook)
 SHOW = @SHOW@
 
 
@@ -52,14 +52,14 @@ def register(source, name):
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
 
 
-def report(exc):
+def report(exc, err):
     te = traceback.TracebackException.from_exception(exc)
     frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if f.filename.startswith("<cell-")][-5:]
     if frames:
-        sys.stderr.write("Traceback (most recent call last):\n")
-        sys.stderr.write("".join(traceback.StackSummary.from_list(frames).format()))
+        err.write("Traceback (most recent call last):\n")
+        err.write("".join(traceback.StackSummary.from_list(frames).format()))
     only = list(te.format_exception_only())
-    sys.stderr.write("".join(only) if isinstance(exc, SyntaxError) else " ".join("".join(only).split()) + "\n")
+    err.write("".join(only) if isinstance(exc, SyntaxError) else " ".join("".join(only).split()) + "\n")
 
 
 def main():
@@ -70,23 +70,30 @@ def main():
     os.dup2(null, 2)
     sys.stdout = sys.stderr = open(os.devnull, "w")
     failed = None
-    for i, source in enumerate(CELLS[:-1], 1):
+    for i, source in zip(NUMBERS, CELLS[:-1]):
         try:
             register(source, "<cell-%d>" % i)
             exec(compile(source, "<cell-%d>" % i, "exec"), ns)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):  # a cell that ended with sys.exit(0) succeeded, and ends there again
+                failed = "SessionError: replaying earlier cell %d failed (SystemExit); the session state is lost\n" % i
+                break
         except BaseException as exc:
             failed = "SessionError: replaying earlier cell %d failed (%s); the session state is lost\n" % (
                 i, type(exc).__name__)
             break
     sys.stdout.flush()
-    os.dup2(real[0], 1)
-    os.dup2(real[1], 2)
     if failed:
-        os.write(2, failed.encode())
+        os.write(real[1], failed.encode())
         os._exit(3)
+    # What the cell prints on stderr lands with its stdout, in order, as in the local sandbox; the service's stderr
+    # carries only this driver's account of an exception.
+    os.dup2(real[0], 1)
+    os.dup2(real[0], 2)
     counter = [0]
-    sys.stdout, sys.stderr = Counting(real[2], counter), Counting(real[3], counter)
-    name = "<cell-%d>" % len(CELLS)
+    sys.stdout = sys.stderr = Counting(real[2], counter)
+    err = os.fdopen(real[1], "w")  # the service's stderr (fd 2 itself now points at stdout)
+    name = "<cell-%d>" % NUMBERS[-1]
     code = 0
     try:
         register(CELLS[-1], name)
@@ -100,13 +107,13 @@ def main():
             if value is not None and counter[0] == 0:
                 print(repr(value))
     except SystemExit as exc:
-        sys.stderr.write("SystemExit: %s\n" % (exc.code,))
+        err.write("SystemExit: %s\n" % (exc.code,))
         code = 0 if exc.code in (None, 0) else 1
     except BaseException as exc:
-        report(exc)
+        report(exc, err)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    real[2].flush()
+    err.flush()
     os._exit(code)
 
 
@@ -114,8 +121,8 @@ main()
 """
 
 
-def _driver(cells: list[str], show_last_expression: bool) -> str:
-    payload = base64.b64encode(json.dumps(cells).encode()).decode()
+def _driver(cells: list[str], numbers: list[int], show_last_expression: bool) -> str:
+    payload = base64.b64encode(json.dumps([cells, numbers]).encode()).decode()
     return _DRIVER.replace("@PAYLOAD@", payload).replace("@SHOW@", repr(bool(show_last_expression)))
 
 
@@ -160,13 +167,14 @@ class RemoteSession(SessionBase):
     def __init__(self, sandbox: RemoteSandbox):
         super().__init__(sandbox)
         self._cells: list[str] = []
+        self._numbers: list[int] = []  # the call number of each kept cell: tracebacks name cells as the local one does
         self._replay_s = 0.0  # time the kept cells took, added to the next request's time limit
         self._lock = threading.Lock()  # one cell at a time per session, whatever the caller does
 
     def close(self) -> None:
         """Forgets the session's cells. Idempotent."""
         self._closed = True
-        self._cells = []
+        self._cells, self._numbers = [], []
 
 
 class RemoteSandbox:
@@ -302,7 +310,7 @@ class RemoteSandbox:
         start = time.monotonic()
         run_timeout = self.timeout_s + session._replay_s
         body = {
-            "code": _driver([*session._cells, code], self.show_last_expression),
+            "code": _driver([*session._cells, code], [*session._numbers, session.calls], self.show_last_expression),
             "language": self.language,
             "run_timeout": run_timeout,
         }
@@ -387,6 +395,7 @@ class RemoteSandbox:
             )
         if return_code == 0 and status == "Finished":
             session._cells.append(code)
+            session._numbers.append(session.calls)
             session._replay_s += float(run.get("execution_time") or 0.0)
             return ExecResult(
                 truncate_output(stdout + stderr, self.max_output_chars), ok=True, timed_out=False, duration_s=duration
