@@ -198,6 +198,26 @@ def test_a_late_forged_status_does_not_settle_the_next_call(sandbox):
         s.close()
 
 
+def test_closing_a_session_under_a_running_call_ends_that_call():
+    with LocalSandbox(num_workers=2, timeout_s=20.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("x = 1").ok
+        pid = s._proc.host_pid
+        box = []
+        runner = threading.Thread(target=lambda: box.append(s.run("import time\ntime.sleep(30)")))
+        runner.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        s.close()  # from another thread than the one waiting for the call
+        runner.join(10)
+        assert box and not box[0].ok and "closed" in box[0].output, box
+        assert time.monotonic() - start < 5
+        deadline = time.monotonic() + 10
+        while _running(pid):
+            assert time.monotonic() < deadline, "the closed session's process survived"
+            time.sleep(0.05)
+
+
 def test_a_jail_that_fails_to_set_up_is_an_infrastructure_error():
     # An open-file limit above the kernel's maximum: setrlimit fails in the jail before any cell can run.
     with LocalSandbox(num_workers=1, timeout_s=5.0, max_open_files=1 << 30, preload=()) as sb:

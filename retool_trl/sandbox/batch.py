@@ -7,11 +7,12 @@ import selectors
 import time
 from collections import deque
 
-from .base import ExecResult
+from .base import ExecResult, refusal
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
 SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how often a cell whose status came is checked for being parked
+CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
 DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
 
 
@@ -19,6 +20,7 @@ class _Running:
     """A dispatched cell."""
 
     __slots__ = (
+        "fds",
         "index",
         "session",
         "proc",
@@ -39,6 +41,7 @@ class _Running:
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
+        self.fds: dict[str, int] = {}  # what is registered for it, by kind (the handle may be closed meanwhile)
 
 
 class Batch:
@@ -75,6 +78,7 @@ class Batch:
                     wait = min(wait, CPU_TICK_S)
                 if any(r.reported for r in self.running.values()):
                     wait = min(wait, PARK_POLL_S)
+                wait = min(wait, CLOSED_CHECK_S)
                 lone = next(iter(self.running.values())) if len(self.running) == 1 and not self.ready else None
                 if lone is not None and not lone.spun:
                     self._spin(lone)
@@ -86,6 +90,8 @@ class Batch:
                         getattr(self, f"_on_{kind}")(entry)
                 for entry in [r for r in self.running.values() if r.reported]:
                     self._settle_if_parked(entry, tries=1)
+                for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
+                    self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
                     if entry.dead:  # the status pipe closed but no account of the death came
@@ -156,12 +162,21 @@ class Batch:
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
             if self.running.get(session) is entry:
                 entry.dead, entry.deadline = True, min(entry.deadline, started + DEATH_NOTICE_S)
-                self.selector.register(proc.sock, selectors.EVENT_READ, ("death", entry))
+                self._watch(entry, proc.sock.fileno(), selectors.EVENT_READ, "death")
             return
-        self.selector.register(proc.status_r, selectors.EVENT_READ, ("status", entry))
-        self.selector.register(proc.sock, selectors.EVENT_READ, ("death", entry))
+        self._watch(entry, proc.status_r, selectors.EVENT_READ, "status")
+        self._watch(entry, proc.sock.fileno(), selectors.EVENT_READ, "death")
         if proc.pending:  # a request larger than the pipe: the rest goes as the process reads
-            self.selector.register(proc.request_w, selectors.EVENT_WRITE, ("request", entry))
+            self._watch(entry, proc.request_w, selectors.EVENT_WRITE, "request")
+
+    def _watch(self, entry: _Running, fd: int, events: int, kind: str) -> None:
+        self.selector.register(fd, events, (kind, entry))
+        entry.fds[kind] = fd
+
+    def _unwatch(self, entry: _Running, kind: str) -> None:
+        fd = entry.fds.pop(kind, None)
+        if fd is not None:
+            self.selector.unregister(fd)
 
     def _count_busy(self) -> int:
         """Running cells that want a CPU. A cell that is not runnable now and used little CPU over the last tick
@@ -181,11 +196,8 @@ class Batch:
         """Stops watching the cell's channels, then settles it with `settle(session, *args)` (which may kill its
         process, and with it close those channels)."""
         if self.running.pop(entry.session, None) is not None:
-            for fd in (entry.proc.status_r, entry.proc.sock, entry.proc.request_w):
-                try:
-                    self.selector.unregister(fd)
-                except (KeyError, ValueError):
-                    pass
+            for kind in list(entry.fds):
+                self._unwatch(entry, kind)
         try:
             self.results[entry.index] = settle(entry.session, *args)
         finally:
@@ -196,12 +208,12 @@ class Batch:
 
     def _on_request(self, entry: _Running) -> None:
         if not entry.proc.flush() or not entry.proc.pending:
-            self.selector.unregister(entry.proc.request_w)
+            self._unwatch(entry, "request")
 
     def _on_status(self, entry: _Running) -> None:
         if not entry.proc.read_status():
             # Every writer of the status pipe is gone: the process died, and the zygote's account is on its way.
-            self.selector.unregister(entry.proc.status_r)
+            self._unwatch(entry, "status")
             entry.dead, entry.deadline = True, min(entry.deadline, time.monotonic() + DEATH_NOTICE_S)
             return
         if entry.proc.status is not None:

@@ -9,6 +9,7 @@ the pidfd. The zygote's only message on the socket is how the process died (its 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import platform
@@ -97,8 +98,14 @@ class SessionProcess:
 
     # --------------------------------------------------------------------------------------------------- calls
 
+    @property
+    def closed(self) -> bool:
+        return self.request_w is None
+
     def begin(self, request: dict) -> bool:
         """Sends a request and lets the process run; False when it can no longer take one (it died)."""
+        if self.closed:
+            return False
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
         self.cpu_before = self.sched_state()[1] or 0.0
@@ -110,6 +117,8 @@ class SessionProcess:
 
     def flush(self) -> bool:
         """Writes what the request pipe takes of the pending request; False when the process is gone."""
+        if self.closed:
+            return False
         try:
             written = os.write(self.request_w, self.pending) if self.pending else 0
         except BlockingIOError:
@@ -122,6 +131,8 @@ class SessionProcess:
 
     def read_status(self) -> bool:
         """Reads the status pipe; keeps the last complete frame as the call's status. False at EOF (a death)."""
+        if self.closed:  # closed from another thread while a call ran: nothing more will come
+            return False
         try:
             data = os.read(self.status_r, 1 << 16)
         except BlockingIOError:
@@ -180,6 +191,8 @@ class SessionProcess:
 
     def read_output(self, skipped: int = 0, limit: int = 1 << 16) -> dict:
         """The bounded head and tail of what the cell wrote (decoded with replacement: always valid text)."""
+        if self.closed:
+            return {"head": "", "tail": "", "total": 0}
         size = os.fstat(self.output).st_size
         skipped = min(max(0, skipped), 1 << 40)
         if size <= 2 * limit:
@@ -218,6 +231,8 @@ class SessionProcess:
 
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
+        if fd is None and self.closed:
+            raise OSError(errno.EBADF, "the session process handle is closed")
         if fd is None:
             path = f"task/{self.host_pid}/children" if name == "children" else name
             fd = self.proc_fds[name] = os.open(f"/proc/{self.host_pid}/{path}", os.O_RDONLY | os.O_CLOEXEC)
