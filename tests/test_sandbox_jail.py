@@ -160,15 +160,20 @@ def test_a_segfault_names_its_signal(sandbox):
     assert not r.ok and not r.infra_error and "SIGSEGV" in _last_line(r)
 
 
+def _long_call_in_a_thread(session, settle_s: float):
+    """Starts a 30 s cell of a live session in another thread; returns that thread and the list its result goes to."""
+    assert session.run("x = 1").ok
+    box = []
+    runner = threading.Thread(target=lambda: box.append(session.run("import time\ntime.sleep(30)")))
+    runner.start()
+    time.sleep(settle_s)
+    return runner, box
+
+
 def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
     s = sandbox.session()
-    assert s.run("x = 1").ok
-    pid = s._proc.host_pid
-    box = []
-    runner = threading.Thread(target=lambda: box.append(s.run("import time\ntime.sleep(30)")))
-    runner.start()
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)  # what the OOM killer of the machine does
+    runner, box = _long_call_in_a_thread(s, 0.5)
+    os.kill(s._proc.host_pid, signal.SIGKILL)  # what the OOM killer of the machine does
     runner.join(20)
     (r,) = box
     assert not r.ok and r.infra_error and not r.timed_out, r
@@ -201,12 +206,8 @@ def test_a_late_forged_status_does_not_settle_the_next_call(sandbox):
 def test_closing_a_session_under_a_running_call_ends_that_call():
     with LocalSandbox(num_workers=2, timeout_s=20.0, preload=()) as sb:
         s = sb.session()
-        assert s.run("x = 1").ok
+        runner, box = _long_call_in_a_thread(s, 0.3)
         pid = s._proc.host_pid
-        box = []
-        runner = threading.Thread(target=lambda: box.append(s.run("import time\ntime.sleep(30)")))
-        runner.start()
-        time.sleep(0.3)
         start = time.monotonic()
         s.close()  # from another thread than the one waiting for the call
         runner.join(10)
