@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import threading
 import time
 from collections import deque
 
@@ -14,6 +15,18 @@ SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch slee
 PARK_POLL_S = 0.0002  # how often a cell whose status came is checked for being parked
 CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
 DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
+
+
+class InFlight:
+    """Cells running in all batches of one sandbox (several threads may run batches at once)."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
 
 
 class _Running:
@@ -79,7 +92,9 @@ class Batch:
                 if any(r.reported for r in self.running.values()):
                     wait = min(wait, PARK_POLL_S)
                 wait = min(wait, CLOSED_CHECK_S)
-                lone = next(iter(self.running.values())) if len(self.running) == 1 and not self.ready else None
+                # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
+                alone = len(self.running) == 1 and not self.ready and self.sandbox._in_flight.count == 1
+                lone = next(iter(self.running.values())) if alone else None
                 if lone is not None and not lone.spun:
                     self._spin(lone)
                     if not self.running:
@@ -157,6 +172,7 @@ class Batch:
         entry = _Running(index, session, started, started + self.sandbox.timeout_s)
         proc = entry.proc
         self.running[session] = entry
+        self.sandbox._in_flight.add(1)
         session.calls += 1
         if not proc.begin({"code": self.pairs[index][1]}):
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
@@ -196,6 +212,7 @@ class Batch:
         """Stops watching the cell's channels, then settles it with `settle(session, *args)` (which may kill its
         process, and with it close those channels)."""
         if self.running.pop(entry.session, None) is not None:
+            self.sandbox._in_flight.add(-1)
             for kind in list(entry.fds):
                 self._unwatch(entry, kind)
         try:

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
-from .batch import Batch
+from .batch import Batch, InFlight
 from .cgroups import SandboxCgroups
 from .channel import SessionProcess
 from .isolation import (
@@ -171,7 +171,7 @@ class LocalSandbox:
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._request_ids = itertools.count(1)
+        self._in_flight = InFlight()  # cells running now, over every thread's batches
         self._host_scratch: str | None = None
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
