@@ -10,6 +10,7 @@ import signal
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -383,3 +384,79 @@ def test_output_is_valid_text_whatever_is_printed(sandbox):
     )
     r.output.encode("utf-8")  # strict: no lone surrogates
     assert r.ok and r.output.count("\ufffd") + r.output.count("?") >= 3, r
+
+
+# ------------------------------------------------------------- the second red-team pass (the trainer's direct line)
+
+FORGED_OK = (
+    "import json, os, struct\n"
+    "data = json.dumps({'ok': True, 'error': None, 'fatal': None, 'skipped': 0}).encode()\n"
+    "os.write(4, struct.pack('!I', len(data)) + data)\n"
+)
+
+
+def test_a_status_nested_past_the_parser_fails_only_its_own_cell(sandbox):
+    attacker, victim = sandbox.session(), sandbox.session()
+    assert victim.run("v = 42").ok
+    evil = "import os, struct\nos.write(4, struct.pack('!I', 200000) + b'[' * 200000)\nimport time\ntime.sleep(0.5)"
+    hit, other = sandbox.run_many([(attacker, evil), (victim, "import time\ntime.sleep(1)\nprint(v)")])
+    assert not hit.ok and not hit.infra_error and "invalid status" in hit.output, hit
+    assert other.ok and other.output == "42\n", other
+
+
+@pytest.mark.parametrize(
+    "code", ["import os\nos.close(4)\nimport time\ntime.sleep(5)", "import os\nos.dup2(os.open('/dev/null', 1), 4)"]
+)
+def test_closing_the_status_channel_is_the_cells_own_error(sandbox, code):
+    r = sandbox.session().run(code)
+    assert not r.ok and not r.infra_error and "status channel" in _last_line(r), r
+
+
+def test_replacing_the_request_channel_is_the_cells_own_error(sandbox):
+    s = sandbox.session()
+    assert s.run("import os\nr, w = os.pipe()\nos.dup2(r, 3)").ok
+    r = s.run("print(1)")
+    assert not r.ok and not r.infra_error and "request channel" in _last_line(r), r
+
+
+@pytest.mark.parametrize(
+    "evil",
+    [
+        FORGED_OK + "os.read(3, 1 << 16)\n",  # looks parked: blocked reading the request pipe, after a forged status
+        # A handler run by the trainer's SIGCONT at the next call, inside the interpreter's own wait for a request.
+        "import signal\ndef h(*_):\n"
+        + "".join("    " + line + "\n" for line in (FORGED_OK + "os.read(3, 1 << 16)").splitlines())
+        + "signal.signal(signal.SIGCONT, h)\n",
+        "import signal\ndef h(*_):\n"
+        + "".join("    " + line + "\n" for line in (FORGED_OK + "os.read(3, 1 << 16)").splitlines())
+        + "signal.signal(signal.SIGALRM, h)\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\n",
+    ],
+)
+def test_a_cell_cannot_take_over_the_calls_that_follow(sandbox, evil):
+    s = sandbox.session()
+    results = [s.run(evil), s.run("1/0"), s.run("print(6 * 7)")]
+    assert not results[1].ok, results  # the ZeroDivisionError (or a broken session), never a forged success
+    assert "ZeroDivisionError" in results[1].output or "Error" in results[1].output, results
+    assert results[2].output in ("42\n",) or not results[2].ok, results
+    assert not any(r.infra_error for r in results), results
+
+
+def test_the_sandbox_outlives_the_thread_that_started_it():
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        s = sb.session()
+        with ThreadPoolExecutor(1) as pool:  # what the async rollout does: a pool per rollout
+            assert pool.submit(s.run, "v = 41").result().ok
+        time.sleep(0.5)  # that thread has exited
+        zygote_pid = sb._zygote.proc.pid
+        assert s.run("print(v + 1)").output == "42\n"
+        assert sb._zygote.proc.poll() is None and sb._zygote.proc.pid == zygote_pid
+
+
+def test_a_kill_from_outside_after_cpu_heavy_children_is_still_infrastructure(sandbox):
+    s = sandbox.session()
+    burn = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'x = 0\\nfor i in range(10**7): x += i'])"
+    assert s.run(burn).ok and s.run(burn).ok
+    runner, box = _long_call_in_a_thread(s, 0.3)
+    os.kill(s._proc.host_pid, signal.SIGKILL)
+    runner.join(20)
+    assert box and box[0].infra_error and not box[0].timed_out, box

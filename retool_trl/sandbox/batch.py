@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import threading
@@ -9,6 +10,8 @@ import time
 from collections import deque
 
 from .base import ExecResult, refusal
+
+logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
 SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch sleeps until it comes
@@ -102,7 +105,7 @@ class Batch:
                 for key, _ in self.selector.select(max(0.0, wait)):
                     kind, entry = key.data
                     if self.running.get(entry.session) is entry:
-                        getattr(self, f"_on_{kind}")(entry)
+                        self._handle(kind, entry)
                 for entry in [r for r in self.running.values() if r.reported]:
                     self._settle_if_parked(entry, tries=1)
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
@@ -175,6 +178,10 @@ class Batch:
         self.sandbox._in_flight.add(1)
         session.calls += 1
         if not proc.begin({"code": self.pairs[index][1]}):
+            if not proc.exited():  # alive, but nobody reads its request pipe: its last cell closed or replaced fd 3
+                why = "the previous cell closed the sandbox's request channel (fd 3)"
+                self._finish(entry, self.sandbox._crash_result, 0.0, why)
+                return
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
             if self.running.get(session) is entry:
                 entry.dead, entry.deadline = True, min(entry.deadline, started + DEATH_NOTICE_S)
@@ -223,12 +230,26 @@ class Batch:
 
     # ------------------------------------------------------------------------------------------------- events
 
+    def _handle(self, kind: str, entry: _Running) -> None:
+        """One event of one cell; whatever goes wrong settles that cell alone, never the rest of the batch."""
+        try:
+            getattr(self, f"_on_{kind}")(entry)
+        except Exception as exc:  # noqa: BLE001 - data from an untrusted process must not take the batch down
+            logger.warning("sandbox: settling a cell failed", exc_info=True)
+            if self.running.get(entry.session) is entry:
+                why = f"the sandbox could not read this cell's result ({type(exc).__name__})"
+                self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started, why)
+
     def _on_request(self, entry: _Running) -> None:
         if not entry.proc.flush() or not entry.proc.pending:
             self._unwatch(entry, "request")
 
     def _on_status(self, entry: _Running) -> None:
         if not entry.proc.read_status():
+            if not entry.proc.closed and not entry.proc.exited():  # alive: the cell closed or replaced fd 4
+                why = "the cell closed the sandbox's status channel (fd 4)"
+                self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started, why)
+                return
             # Every writer of the status pipe is gone: the process died, and the zygote's account is on its way.
             self._unwatch(entry, "status")
             entry.dead, entry.deadline = True, min(entry.deadline, time.monotonic() + DEATH_NOTICE_S)

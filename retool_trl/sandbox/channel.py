@@ -13,10 +13,12 @@ import errno
 import fcntl
 import os
 import platform
+import select
 import signal
 import socket
 import struct
 import termios
+import time
 
 from .protocol import CREDS, frame, take_frames
 
@@ -52,6 +54,7 @@ class SessionProcess:
         "status",
         "cpu_before",
         "zygote_gone",
+        "idle_point",
         "__weakref__",
     )
 
@@ -70,6 +73,7 @@ class SessionProcess:
         self.status: dict | None = None  # the last status frame of the call in flight
         self.cpu_before = 0.0  # CPU seconds used when the call in flight started
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
+        self.idle_point: tuple[bytes, bytes] | None = None  # where the interpreter's own loop reads fd 3
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -104,11 +108,11 @@ class SessionProcess:
 
     def begin(self, request: dict) -> bool:
         """Sends a request and lets the process run; False when it can no longer take one (it died)."""
-        if self.closed:
+        if self.closed or not self.learn_idle_point(timeout_s=30.0):
             return False
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
-        self.cpu_before = self.sched_state()[1] or 0.0
+        self.cpu_before = self.cpu_with_children()
         self.pending = frame(request)
         if not self.flush():
             return False
@@ -142,7 +146,8 @@ class SessionProcess:
         self.status_buffer += data
         try:
             frames = take_frames(self.status_buffer, _MAX_STATUS)
-        except ValueError:  # garbage: the call still ends only when the process parks or dies, and fails
+        except (ValueError, RecursionError):  # garbage (or JSON nested past the parser's depth): the call still
+            # ends only when the process parks or dies, and fails
             self.status_buffer.clear()
             frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n"}]
             frames[0]["fatal"] = "invalid status"
@@ -158,22 +163,41 @@ class SessionProcess:
             pass
 
     def parked(self) -> bool:
-        """True when the process is single-threaded, blocked reading its request pipe, and that pipe is empty: the
-        cell is over (whatever it wrote before) and nothing of it can still run."""
+        """True when the process is single-threaded, blocked reading its request pipe, and that pipe is empty, at
+        the very place where the interpreter's own loop reads it (the stack and instruction pointers recorded before
+        any cell ran): the cell is over, whatever it wrote before, and nothing of it can still run. A cell (or a
+        signal handler) that reads fd 3 itself does so deeper on the stack, and is not parked."""
+        if self.idle_point is None:
+            return False
         try:
-            syscall = os.pread(self._proc_fd("syscall"), 256, 0).split()
             threads = int(os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()[17])
             unread = struct.unpack("i", fcntl.ioctl(self.request_w, termios.FIONREAD, b"\0\0\0\0"))[0]
-        except (OSError, IndexError, ValueError):
+        except (OSError, IndexError, ValueError, TypeError):
             return False
-        return (
-            threads == 1
-            and unread == 0
-            and not self.pending
-            and len(syscall) > 1
-            and syscall[0] == _SYS_READ
-            and int(syscall[1], 16) == REQUEST_FD
-        )
+        return threads == 1 and unread == 0 and not self.pending and self._waiting_point() == self.idle_point
+
+    def _waiting_point(self) -> tuple[bytes, bytes] | None:
+        """(stack pointer, instruction pointer) of a `read` of fd 3 the process is blocked in, else None."""
+        try:
+            fields = os.pread(self._proc_fd("syscall"), 256, 0).split()
+        except OSError:
+            return None
+        # "nr arg0 ... arg5 sp pc" while in a system call ("running" or "-1 sp pc" otherwise)
+        if len(fields) == 9 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD:
+            return fields[7], fields[8]
+        return None
+
+    def learn_idle_point(self, timeout_s: float) -> bool:
+        """Records where the interpreter's loop waits for requests, before the first cell (nothing untrusted has run
+        in the process yet). Waits for a jail still setting up; False if it does not get there (it died)."""
+        deadline = time.monotonic() + timeout_s
+        while self.idle_point is None:
+            self.idle_point = self._waiting_point()
+            if self.idle_point is None:
+                if time.monotonic() > deadline or self.exited(grace_s=0.0):
+                    return False
+                time.sleep(0.0005)
+        return True
 
     def settle(self, output_limit: int) -> dict:
         """Ends a call whose process is parked: stops it until the next call, kills what its cell left running,
@@ -214,7 +238,7 @@ class SessionProcess:
             self.zygote_gone = True
         try:
             frames = take_frames(self.socket_buffer, 1 << 16)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         crash = next((f["crash"] for f in frames if isinstance(f, dict) and isinstance(f.get("crash"), dict)), None)
         return crash
@@ -228,6 +252,14 @@ class SessionProcess:
             return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
         except (OSError, IndexError, ValueError):
             return None, None
+
+    def cpu_with_children(self) -> float:
+        """CPU seconds of the process and of the children it reaped: what the zygote's `wait4` counts at its death."""
+        try:
+            fields = os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()
+            return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
@@ -256,6 +288,15 @@ class SessionProcess:
                 os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError):
                 pass
+
+    def exited(self, grace_s: float = 0.05) -> bool:
+        """Whether the process has exited, waiting up to `grace_s` for one that is on its way out (its descriptors
+        close a moment before it becomes a zombie)."""
+        if self.pidfd is None:
+            return self.sched_state()[0] in (None, "Z", "X")
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)  # a pidfd is readable once its process has exited
+        return bool(poller.poll(grace_s * 1000))
 
     def signal(self, sig: int) -> None:
         if self.pidfd is not None:

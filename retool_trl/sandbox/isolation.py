@@ -122,7 +122,10 @@ def bwrap_command(bwrap: str, worker: str, network: bool, tmpfs_mb: int, writabl
             args += ["--ro-bind", str(path), str(path)]
     for path in writable:  # the sandbox's own cgroups: the zygote makes one per session below them
         args += ["--bind", path, path]
-    args += ["--new-session", "--die-with-parent", "--chdir", "/"]
+    # No --die-with-parent: its parent-death signal follows the *thread* that started bubblewrap, and a sandbox first
+    # used from a pool thread would die with it. The zygote exits when its control socket closes (the trainer ended,
+    # however it ended), and bubblewrap with it.
+    args += ["--new-session", "--chdir", "/"]
     return args
 
 

@@ -221,10 +221,11 @@ class _Cell:
     Python-level output is kept bounded in memory (head and tail) and appended to fd 1, the memfd that the zygote
     reads (bounded too), after what native code and subprocesses wrote there."""
 
-    def __init__(self, config, own_uid):
+    def __init__(self, config, own_uid, signal_mask):
         import builtins
 
         self.config, self.own_uid, self.count = config, own_uid, 0
+        self.signal_mask = signal_mask  # the cells' own signal mask; outside a cell every catchable one is blocked
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sink = open(os.devnull, "w")
 
@@ -236,6 +237,7 @@ class _Cell:
         sys.stdout = sys.stderr = capture
         error, fatal, ok = None, None, True
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.signal_mask)  # what was due meanwhile arrives here
             tree = ast.parse(code, filename)
             last = None
             if self.config["show_last_expression"] and tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -258,6 +260,7 @@ class _Cell:
             ok, error = False, _format_exception(exc)
         finally:
             sys.stdout = sys.stderr = self.sink  # threads that keep printing after the cell print nowhere
+            self.signal_mask = _quiet_signals()
         survivors = _kill_leftover_threads()
         _kill_descendants(self.own_uid)
         if survivors:
@@ -286,6 +289,20 @@ def _enter_jail(config):
     if network:
         with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
             fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
+
+
+_CATCHABLE = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+
+
+def _quiet_signals():
+    """Blocks every catchable signal and cancels the interval timers a cell may have set; returns the mask to give
+    back to the next cell. While the interpreter waits for a request no handler of a cell can run (one run by the
+    trainer's SIGCONT, a SIGCHLD or SIGIO, a timer) and take the request before the interpreter reads it."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CATCHABLE)
+    for timer in _TIMERS:
+        signal.setitimer(timer, 0)
+    return mask
 
 
 def _install_seccomp(program):
@@ -344,9 +361,10 @@ def session_main(config, jail):
         sys.modules["random"].seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    mask = _quiet_signals()
     if jail["warm"]:  # touch the pages a cell touches now rather than during the first call
-        _Cell(dict(config, show_last_expression=True), uid).run("print(1)\n2")
-    cell = _Cell(config, uid)
+        _Cell(dict(config, show_last_expression=True), uid, mask).run("print(1)\n2")
+    cell = _Cell(config, uid, mask)
     cpu_s = config["cpu_time_s"]
     os.write(READY_FD, b"1")  # set up: a death from now on is a cell's doing, not the jail's
     os.close(READY_FD)
@@ -361,7 +379,11 @@ def session_main(config, jail):
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(used.ru_utime + used.ru_stime + cpu_s) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 2))  # SIGKILL at the hard limit, if C code ignores
-        status = cell.run(request["code"])
+        try:
+            status = cell.run(request["code"])
+        except BaseException as exc:  # noqa: B036 - a cell's signal handler raising once the cell is over
+            cell.signal_mask = _quiet_signals()
+            status = {"ok": False, "error": _format_exception(exc), "fatal": "signal handler", "skipped": 0}
         os.write(STATUS_FD, frame(status))  # then park in the read above: the host kills us if fatal
     _kill_descendants(uid)
     os._exit(0)

@@ -29,12 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reaping import death_cause, rmdir_quietly  # noqa: E402
 from session_process import (  # noqa: E402
     CLONE_NEWPID,
-    PR_SET_PDEATHSIG,
     Jail,
     check,
     frame,
     libc,
-    prctl,
     probe_jail,
     recv_control,
     session_main,
@@ -352,7 +350,8 @@ def _send(sock, obj):
 def main():
     config = json.loads(sys.argv[1])
     control = socket.socket(fileno=int(sys.argv[2]))
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # No parent-death signal here: it would follow the trainer's thread that started us (see isolation.py). The
+    # control socket closing (the trainer ended, however it ended) ends the zygote, and every jail with it.
     problem = probe_jail() if config["jail"] else "not asked for"
     if config["jail"] and problem:
         _send(
