@@ -15,21 +15,35 @@ logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
 SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch sleeps until it comes
-PARK_POLL_S = 0.0002  # how often a cell whose status came is checked for being parked
+PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
+PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
 CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
 DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
 
 
 class InFlight:
-    """Cells running in all batches of one sandbox (several threads may run batches at once)."""
+    """The cells running in all batches of one sandbox: several threads may run batches at once (the async rollout
+    runs one per completion), and the CPU-aware admission counts them all."""
 
     def __init__(self):
-        self.count = 0
+        self._entries: set = set()
         self._lock = threading.Lock()
 
-    def add(self, n: int) -> None:
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry) -> None:
         with self._lock:
-            self.count += n
+            self._entries.add(entry)
+
+    def remove(self, entry) -> None:
+        with self._lock:
+            self._entries.discard(entry)
+
+    def snapshot(self) -> list:
+        with self._lock:
+            return list(self._entries)
 
 
 class _Running:
@@ -48,6 +62,7 @@ class _Running:
         "reported",
         "dead",
         "spun",
+        "poll_s",
     )
 
     def __init__(self, index, session, started, deadline):
@@ -57,6 +72,7 @@ class _Running:
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
+        self.poll_s = PARK_POLL_S
         self.fds: dict[str, int] = {}  # what is registered for it, by kind (the handle may be closed meanwhile)
 
 
@@ -92,8 +108,9 @@ class Batch:
                 wait = min(r.deadline for r in self.running.values()) - time.monotonic()
                 if self.ready:
                     wait = min(wait, CPU_TICK_S)
-                if any(r.reported for r in self.running.values()):
-                    wait = min(wait, PARK_POLL_S)
+                for entry in self.running.values():
+                    if entry.reported:
+                        wait = min(wait, entry.poll_s)
                 wait = min(wait, CLOSED_CHECK_S)
                 # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
                 alone = len(self.running) == 1 and not self.ready and self.sandbox._in_flight.count == 1
@@ -108,6 +125,7 @@ class Batch:
                         self._handle(kind, entry)
                 for entry in [r for r in self.running.values() if r.reported]:
                     self._settle_if_parked(entry, tries=1)
+                    entry.poll_s = min(2 * entry.poll_s, PARK_POLL_MAX_S)  # a forged status: back off
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
                     self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
@@ -154,8 +172,8 @@ class Batch:
                 continue
             batch.append(session)
         self.ready.extend(elsewhere)
-        if elsewhere and not batch and not self.running:
-            time.sleep(0.001)  # only cells of other threads to wait for
+        if not batch and not self.running:
+            time.sleep(0.002)  # only cells of other threads' batches to wait for
         fresh = [s for s in batch if s._proc is None]
         errors = dict(zip(fresh, self.sandbox._spawn(fresh))) if fresh else {}
         for session in batch:
@@ -175,7 +193,7 @@ class Batch:
         entry = _Running(index, session, started, started + self.sandbox.timeout_s)
         proc = entry.proc
         self.running[session] = entry
-        self.sandbox._in_flight.add(1)
+        self.sandbox._in_flight.add(entry)
         session.calls += 1
         if not proc.begin({"code": self.pairs[index][1]}):
             if not proc.exited():  # alive, but nobody reads its request pipe: its last cell closed or replaced fd 3
@@ -202,11 +220,12 @@ class Batch:
             self.selector.unregister(fd)
 
     def _count_busy(self) -> int:
-        """Running cells that want a CPU. A cell that is not runnable now and used little CPU over the last tick
-        (sleeping, waiting on IO) gives its slot away; one starved by a loaded machine keeps it (it is runnable)."""
+        """Running cells of the whole sandbox (every thread's batches) that want a CPU. A cell that is not runnable
+        now and used little CPU over the last tick (sleeping, waiting on IO) gives its slot away; one starved by a
+        loaded machine keeps it (it is runnable)."""
         now = time.monotonic()
         busy = 0
-        for entry in self.running.values():
+        for entry in self.sandbox._in_flight.snapshot():
             if now - entry.cpu_at >= CPU_TICK_S:
                 state, cpu = entry.proc.sched_state()
                 if cpu is not None and entry.cpu is not None:
@@ -219,7 +238,7 @@ class Batch:
         """Stops watching the cell's channels, then settles it with `settle(session, *args)` (which may kill its
         process, and with it close those channels)."""
         if self.running.pop(entry.session, None) is not None:
-            self.sandbox._in_flight.add(-1)
+            self.sandbox._in_flight.remove(entry)
             for kind in list(entry.fds):
                 self._unwatch(entry, kind)
         try:

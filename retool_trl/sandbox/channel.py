@@ -27,6 +27,8 @@ _SYS_READ = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
+_IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
+_IDLE_PC_SLACK = 256
 
 
 class SessionProcess:
@@ -73,7 +75,7 @@ class SessionProcess:
         self.status: dict | None = None  # the last status frame of the call in flight
         self.cpu_before = 0.0  # CPU seconds used when the call in flight started
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
-        self.idle_point: tuple[bytes, bytes] | None = None  # where the interpreter's own loop reads fd 3
+        self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -174,9 +176,18 @@ class SessionProcess:
             unread = struct.unpack("i", fcntl.ioctl(self.request_w, termios.FIONREAD, b"\0\0\0\0"))[0]
         except (OSError, IndexError, ValueError, TypeError):
             return False
-        return threads == 1 and unread == 0 and not self.pending and self._waiting_point() == self.idle_point
+        point = self._waiting_point()
+        return threads == 1 and unread == 0 and not self.pending and point is not None and self._at_idle_point(point)
 
-    def _waiting_point(self) -> tuple[bytes, bytes] | None:
+    def _at_idle_point(self, point: tuple[int, int]) -> bool:
+        """The interpreter's own wait: its stack pointer moves by a few dozen bytes as CPython specialises the loop's
+        calls, and libc's `read` enters the kernel from a second place once the process has had a thread; a read
+        made by a cell (inside `exec`, 500+ bytes deeper) or by a signal handler (1,000+) is deeper."""
+        idle_sp, idle_pc = self.idle_point
+        sp, pc = point
+        return abs(pc - idle_pc) < _IDLE_PC_SLACK and sp > idle_sp - _IDLE_SP_SLACK
+
+    def _waiting_point(self) -> tuple[int, int] | None:
         """(stack pointer, instruction pointer) of a `read` of fd 3 the process is blocked in, else None."""
         try:
             fields = os.pread(self._proc_fd("syscall"), 256, 0).split()
@@ -184,7 +195,7 @@ class SessionProcess:
             return None
         # "nr arg0 ... arg5 sp pc" while in a system call ("running" or "-1 sp pc" otherwise)
         if len(fields) == 9 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD:
-            return fields[7], fields[8]
+            return int(fields[7], 16), int(fields[8], 16)
         return None
 
     def learn_idle_point(self, timeout_s: float) -> bool:

@@ -402,7 +402,7 @@ class LocalSandbox:
         return Batch(self, pairs).run()
 
     def _refusal(self, session: LocalSession) -> ExecResult | None:
-        return refusal(session._closed, session._broken)
+        return refusal(session._closed or self._closed, session._broken)
 
     def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
         """Turns the zygote's reply for a cell into the `ExecResult` the model sees."""
