@@ -282,23 +282,35 @@ class SessionProcess:
         return fd
 
     def _kill_descendants(self) -> None:
-        """SIGKILLs whatever the (stopped, single-threaded) process still has below it: processes its cell left."""
+        """SIGKILLs whatever the (stopped, single-threaded) process still has below it: processes its cell left.
+
+        Each one is signalled through a pidfd opened *before* checking that its parent belongs to the jail, so a pid
+        that a running descendant reaped and the system gave to another process is never hit."""
         try:
             todo = [int(p) for p in os.pread(self._proc_fd("children"), 1 << 16, 0).split()]
         except (OSError, ValueError):
             return
-        seen = set()
+        members = {self.host_pid}
         while todo:
             pid = todo.pop()
-            if pid in seen:
+            if pid in members:
                 continue
-            seen.add(pid)
             try:
-                with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-                    todo += [int(p) for p in f.read().split()]
-                os.kill(pid, signal.SIGKILL)
-            except (OSError, ValueError):
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue  # already gone
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+                if parent in members:
+                    members.add(pid)
+                    with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+                        todo += [int(p) for p in f.read().split()]
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
                 pass
+            finally:
+                os.close(pidfd)
 
     def exited(self, grace_s: float = 0.05) -> bool:
         """Whether the process has exited, waiting up to `grace_s` for one that is on its way out (its descriptors
