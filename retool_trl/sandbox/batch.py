@@ -14,6 +14,7 @@ from .base import ExecResult, refusal
 logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
+FIRST_TICK_S = 0.01  # how soon after its start a cell is first checked
 SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
 PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
@@ -68,7 +69,9 @@ class _Running:
     def __init__(self, index, session, started, deadline):
         self.index, self.session, self.proc = index, session, session._proc
         self.started, self.deadline = started, deadline
-        self.cpu, self.cpu_at, self.busy = None, started, True
+        # Busy until measured; first measured FIRST_TICK_S after dispatch, so a cell that only sleeps or waits
+        # gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S.
+        self.cpu, self.cpu_at, self.busy = self.proc.sched_state()[1], started - CPU_TICK_S + FIRST_TICK_S, True
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
