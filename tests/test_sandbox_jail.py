@@ -463,3 +463,65 @@ def test_a_kill_from_outside_after_cpu_heavy_children_is_still_infrastructure():
         os.kill(s._proc.host_pid, signal.SIGKILL)
         runner.join(20)
     assert box and box[0].infra_error and not box[0].timed_out, box
+
+
+# ---------------------------------------------------------------------------------------- the third pass
+
+GRANDCHILD_FROM_A_THREAD = r"""
+import os, sys, threading, time, struct, json
+sp = next(m for m in list(sys.modules.values()) if hasattr(m, "_Cell") and hasattr(m, "session_main"))
+sp._kill_descendants = lambda uid: None  # the session's own sweep runs in the cell's interpreter: not trusted
+if os.fork() == 0:
+    def forker():
+        if os.fork() == 0:  # a child of the child's *second* thread: not in its main thread's children list
+            while os.getppid() != 1:
+                time.sleep(0.005)
+            header = os.read(3, 4)  # the next request, taken while the session process is stopped
+            os.read(3, struct.unpack("!I", header)[0])
+            os.ftruncate(1, 0)
+            os.lseek(1, 0, 0)
+            os.write(1, b"forged\n")
+            body = json.dumps({"ok": True, "error": None, "fatal": None, "skipped": 0}).encode()
+            os.write(4, struct.pack("!I", len(body)) + body)
+            os._exit(0)
+        while True:
+            time.sleep(1)
+    threading.Thread(target=forker).start()
+    while True:
+        time.sleep(1)
+time.sleep(0.3)
+print("set up")
+"""
+
+
+def test_nothing_a_cell_forked_from_any_thread_survives_its_call(sandbox):
+    s = sandbox.session()
+    assert s.run(GRANDCHILD_FROM_A_THREAD).output == "set up\n"
+    time.sleep(0.5)
+    r = s.run("1/0")
+    assert not r.ok and "ZeroDivisionError" in r.output, r
+    assert s.run("print('real')").output == "real\n"
+
+
+def test_a_session_keeps_its_state_past_any_total_cpu():
+    """Each call gets its own CPU budget however much the session used before (the hard limit cannot rise again
+    once the session runs as its own uid)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\nn += 1\nprint(n)"
+    with LocalSandbox(num_workers=1, timeout_s=5.0, cpu_time_s=1.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("n = 0").ok
+        outputs = [s.run(burn).output for _ in range(4)]
+    assert outputs == ["1\n", "2\n", "3\n", "4\n"], outputs
+
+
+def test_a_signal_handler_in_a_cell_works_like_in_python(sandbox):
+    code = (
+        "import signal, time\ndef h(*a):\n    raise TimeoutError('alarm')\nsignal.signal(signal.SIGALRM, h)\n"
+        "signal.alarm(1)\ntry:\n    while True:\n        pass\n"
+        "except TimeoutError as e:\n    print('caught', e)\n"
+    )
+    s = sandbox.session()
+    r = s.run(code)
+    assert r.ok and r.output == "caught alarm\n", r
+    # The zygote's signal wakeup fd is not inherited (handlers would write signal numbers into a cell's own file).
+    assert s.run("import signal\nsignal.set_wakeup_fd(-1)").output == "-1\n"

@@ -29,6 +29,7 @@ _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
+_KILL_PASSES = 50
 
 
 class SessionProcess:
@@ -54,7 +55,6 @@ class SessionProcess:
         "status_buffer",
         "pending",
         "status",
-        "cpu_before",
         "zygote_gone",
         "idle_point",
         "__weakref__",
@@ -73,7 +73,6 @@ class SessionProcess:
         self.socket_buffer, self.status_buffer = bytearray(), bytearray()
         self.pending = b""  # the part of a large request the pipe did not take yet
         self.status: dict | None = None  # the last status frame of the call in flight
-        self.cpu_before = 0.0  # CPU seconds used when the call in flight started
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
 
@@ -114,7 +113,6 @@ class SessionProcess:
             return False
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
-        self.cpu_before = self.cpu_with_children()
         self.pending = frame(request)
         if not self.flush():
             return False
@@ -264,14 +262,6 @@ class SessionProcess:
         except (OSError, IndexError, ValueError):
             return None, None
 
-    def cpu_with_children(self) -> float:
-        """CPU seconds of the process and of the children it reaped: what the zygote's `wait4` counts at its death."""
-        try:
-            fields = os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()
-            return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLOCK_TICKS
-        except (OSError, IndexError, ValueError):
-            return 0.0
-
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
         if fd is None and self.closed:
@@ -282,35 +272,40 @@ class SessionProcess:
         return fd
 
     def _kill_descendants(self) -> None:
-        """SIGKILLs whatever the (stopped, single-threaded) process still has below it: processes its cell left.
+        """SIGKILLs whatever the stopped process still has below it: the processes its cell left, found through the
+        children of *every* thread of each (a child forked by a second thread is listed there only).
 
         Each one is signalled through a pidfd opened *before* checking that its parent belongs to the jail, so a pid
-        that a running descendant reaped and the system gave to another process is never hit."""
-        try:
-            todo = [int(p) for p in os.pread(self._proc_fd("children"), 1 << 16, 0).split()]
-        except (OSError, ValueError):
-            return
-        members = {self.host_pid}
-        while todo:
-            pid = todo.pop()
-            if pid in members:
-                continue
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError:
-                continue  # already gone
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-                if parent in members:
-                    members.add(pid)
-                    with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-                        todo += [int(p) for p in f.read().split()]
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except (OSError, ValueError, IndexError):
-                pass
-            finally:
-                os.close(pidfd)
+        that a running descendant reaped and the system gave to another process is never hit. Passes repeat until
+        one finds nothing: a process forked just before its parent was killed is handed to the session process."""
+        for _ in range(_KILL_PASSES):
+            try:  # the process itself is parked single-threaded: its main thread's list is all of them
+                todo = [int(p) for p in os.pread(self._proc_fd("children"), 1 << 16, 0).split()]
+            except (OSError, ValueError):
+                return
+            members, killed = {self.host_pid}, 0
+            while todo:
+                pid = todo.pop()
+                if pid in members:
+                    continue
+                try:
+                    pidfd = os.pidfd_open(pid)
+                except OSError:
+                    continue  # already gone
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+                    if parent in members:
+                        members.add(pid)
+                        todo += _children_of(pid)
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        killed += 1
+                except (OSError, ValueError, IndexError):
+                    pass
+                finally:
+                    os.close(pidfd)
+            if not killed:
+                return
 
     def exited(self, grace_s: float = 0.05) -> bool:
         """Whether the process has exited, waiting up to `grace_s` for one that is on its way out (its descriptors
@@ -344,3 +339,15 @@ class SessionProcess:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+
+def _children_of(pid: int) -> list[int]:
+    """The children of every thread of a process, from /proc."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return found

@@ -456,9 +456,6 @@ class LocalSandbox:
             infra = True
         elif "signal" in crash:
             sig = int(crash["signal"])
-            cpu_used = float(crash.get("cpu_s") or 0.0) - (session._proc.cpu_before if session._proc else 0.0)
-            if sig == signal.SIGKILL and cpu_used >= self.cpu_time_s:
-                sig = signal.SIGXCPU  # the hard CPU limit (C code may not have let SIGXCPU through)
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
             elif sig == signal.SIGKILL and crash.get("oom"):

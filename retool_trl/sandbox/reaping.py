@@ -5,17 +5,16 @@ import os
 import signal
 
 
-def death_cause(status, usage, cgroups) -> dict:
-    """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "cpu_s": s, "oom": b}`.
+def death_cause(status, cgroups) -> dict:
+    """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "oom": bool}`.
 
-    `cpu_s` is the CPU time the process had used: the host, which knows what it had used before its last call,
-    tells a SIGKILL at the hard CPU limit from a kill from outside. `oom` says whether the kernel's OOM killer acted
-    in the jail's memory cgroup (the session's memory bound).
+    `oom` says whether the kernel's OOM killer acted in the jail's memory cgroup (the session's memory bound). Any
+    other SIGKILL came from outside the jail (nothing inside can kill its pid 1, and there is no hard CPU limit),
+    which the host reports as infrastructure.
     """
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        cpu_s = usage.ru_utime + usage.ru_stime
-        return {"signal": sig, "cpu_s": cpu_s, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
+        return {"signal": sig, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
     return {"exit": os.WEXITSTATUS(status)}
 
 

@@ -345,6 +345,7 @@ def session_main(config, jail):
         (resource.RLIMIT_FSIZE, config["max_file_size_mb"] * mb),
         (resource.RLIMIT_NOFILE, config["max_open_files"]),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_CPU, resource.RLIM_INFINITY),  # while still root; each call then sets its soft limit
     ]
     if uid:  # RLIMIT_NPROC counts the uid's processes: only a per-session uid makes it a per-session cap
         limits.append((resource.RLIMIT_NPROC, config["max_processes"]))
@@ -380,7 +381,9 @@ def session_main(config, jail):
         # RLIMIT_CPU is cumulative per process: give each cell its own budget on top of what was used so far.
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(used.ru_utime + used.ru_stime + cpu_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 2))  # SIGKILL at the hard limit, if C code ignores
+        # Only the soft limit moves (SIGXCPU): an unprivileged process cannot raise its hard limit again, and C code
+        # that keeps SIGXCPU from taking effect is ended by the trainer's wall-clock timeout.
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
         try:
             status = cell.run(request["code"])
         except BaseException as exc:  # noqa: B036 - a cell's signal handler raising once the cell is over

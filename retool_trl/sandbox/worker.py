@@ -107,6 +107,7 @@ class _Zygote:
                 check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
         if pid == 0:
             try:
+                signal.set_wakeup_fd(-1)  # the zygote's: cells' signal handlers must not write to a closed fd
                 devnull = os.open("/dev/null", os.O_RDONLY)
                 mine = [os.dup(fd) for fd in (devnull, output, output, request_r, status_w, ready_w)]
                 for target, fd in enumerate(mine):
@@ -180,9 +181,9 @@ class _Zygote:
         os.close(jail.ready_r)
         jail.ready_r = None
 
-    def report_death(self, jail, status, usage):
+    def report_death(self, jail, status):
         """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
-        cause = death_cause(status, usage, jail.cgroups)
+        cause = death_cause(status, jail.cgroups)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -244,7 +245,7 @@ class _Zygote:
         """Reaps every dead child without ever blocking, so any number of deaths at once cost one pass."""
         while True:
             try:
-                pid, status, usage = os.wait4(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -259,7 +260,7 @@ class _Zygote:
             if jail.ready_r is not None:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
-                self.report_death(jail, status, usage)
+                self.report_death(jail, status)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
