@@ -432,7 +432,7 @@ def test_replacing_the_request_channel_is_the_cells_own_error(sandbox):
         + "signal.signal(signal.SIGALRM, h)\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\n",
     ],
 )
-def test_a_cell_cannot_take_over_the_calls_that_follow(sandbox, evil):
+def test_reading_fd_3_or_a_signal_handler_does_not_take_over_later_calls(sandbox, evil):
     s = sandbox.session()
     results = [s.run(evil), s.run("1/0"), s.run("print(6 * 7)")]
     assert not results[1].ok, results  # the ZeroDivisionError (or a broken session), never a forged success
