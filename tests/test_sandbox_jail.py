@@ -525,3 +525,12 @@ def test_a_signal_handler_in_a_cell_works_like_in_python(sandbox):
     assert r.ok and r.output == "caught alarm\n", r
     # The zygote's signal wakeup fd is not inherited (handlers would write signal numbers into a cell's own file).
     assert s.run("import signal\nsignal.set_wakeup_fd(-1)").output == "-1\n"
+
+
+def test_a_jail_that_never_reaches_its_wait_is_infrastructure(monkeypatch):
+    from retool_trl.sandbox import channel
+
+    monkeypatch.setattr(channel, "SETUP_WAIT_S", 0.0)  # as if set-up took longer than the trainer waits
+    with LocalSandbox(num_workers=1, timeout_s=5.0, spares=0, preload=()) as sb:
+        r = sb.session().run("print('never runs')")  # forked on demand: still setting up at the first look
+    assert not r.ok and r.infra_error and "could not set up" in _last_line(r), r

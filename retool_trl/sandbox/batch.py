@@ -10,6 +10,7 @@ import time
 from collections import deque
 
 from .base import ExecResult, refusal
+from .channel import SETUP_WAIT_S
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +199,22 @@ class Batch:
         self.running[session] = entry
         self.sandbox._in_flight.add(entry)
         session.calls += 1
-        if not proc.begin({"code": self.pairs[index][1]}):
+        problem = proc.begin({"code": self.pairs[index][1]})
+        # The cell's clock starts once its request is on the way (a fresh jail may first finish setting up).
+        entry.started = time.monotonic()
+        entry.deadline = entry.started + self.sandbox.timeout_s
+        if problem == "not set up":
+            crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
+            self._finish(entry, lambda s: self.sandbox._crash_result(s, 0.0, crash=crash))
+            return
+        if problem:
             if not proc.exited():  # alive, but nobody reads its request pipe: its last cell closed or replaced fd 3
                 why = "the previous cell closed the sandbox's request channel (fd 3)"
                 self._finish(entry, self.sandbox._crash_result, 0.0, why)
                 return
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
             if self.running.get(session) is entry:
-                entry.dead, entry.deadline = True, min(entry.deadline, started + DEATH_NOTICE_S)
+                entry.dead, entry.deadline = True, min(entry.deadline, entry.started + DEATH_NOTICE_S)
                 self._watch(entry, proc.sock.fileno(), selectors.EVENT_READ, "death")
             return
         self._watch(entry, proc.status_r, selectors.EVENT_READ, "status")

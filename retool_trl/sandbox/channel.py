@@ -30,6 +30,7 @@ _MAX_STATUS = 1 << 20
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
 _KILL_PASSES = 50
+SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
 class SessionProcess:
@@ -107,17 +108,20 @@ class SessionProcess:
     def closed(self) -> bool:
         return self.request_w is None
 
-    def begin(self, request: dict) -> bool:
-        """Sends a request and lets the process run; False when it can no longer take one (it died)."""
-        if self.closed or not self.learn_idle_point(timeout_s=30.0):
-            return False
+    def begin(self, request: dict) -> str | None:
+        """Sends a request and lets the process run. Returns None, or why it could not: "gone" (it died, or its
+        request pipe has no reader) or "not set up" (a fresh jail that never reached its wait for requests)."""
+        if self.closed:
+            return "gone"
+        if not self.learn_idle_point(timeout_s=SETUP_WAIT_S):
+            return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
         self.pending = frame(request)
         if not self.flush():
-            return False
+            return "gone"
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
-        return True
+        return None
 
     def flush(self) -> bool:
         """Writes what the request pipe takes of the pending request; False when the process is gone."""
