@@ -530,7 +530,9 @@ def test_a_signal_handler_in_a_cell_works_like_in_python(sandbox):
 def test_a_jail_that_never_reaches_its_wait_is_infrastructure(monkeypatch):
     from retool_trl.sandbox import channel
 
-    monkeypatch.setattr(channel, "SETUP_WAIT_S", 0.0)  # as if set-up took longer than the trainer waits
-    with LocalSandbox(num_workers=1, timeout_s=5.0, spares=0, preload=()) as sb:
-        r = sb.session().run("print('never runs')")  # forked on demand: still setting up at the first look
+    # As if the fresh jail never got to its wait for requests (stuck in set-up) within what the trainer waits.
+    monkeypatch.setattr(channel, "SETUP_WAIT_S", 0.05)
+    monkeypatch.setattr(channel.SessionProcess, "_waiting_point", lambda self: None)
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        r = sb.session().run("print('never runs')")
     assert not r.ok and r.infra_error and "could not set up" in _last_line(r), r
