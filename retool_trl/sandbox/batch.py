@@ -67,17 +67,24 @@ class _Running:
         "poll_s",
     )
 
-    def __init__(self, index, session, started, deadline):
+    def __init__(self, index, session):
         self.index, self.session, self.proc = index, session, session._proc
-        self.started, self.deadline = started, deadline
-        # Busy until measured; first measured FIRST_TICK_S after dispatch, so a cell that only sleeps or waits
-        # gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S.
-        self.cpu, self.cpu_at, self.busy = self.proc.sched_state()[1], started - CPU_TICK_S + FIRST_TICK_S, True
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
         self.poll_s = PARK_POLL_S
         self.fds: dict[str, int] = {}  # what is registered for it, by kind (the handle may be closed meanwhile)
+
+    def start(self, timeout_s: float) -> None:
+        """Starts the cell's clock. It is busy until measured, first FIRST_TICK_S from now, so a cell that only
+        sleeps or waits gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S."""
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.cpu, self.cpu_at, self.busy = self.proc.sched_state()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
+
+    def expect_death(self) -> None:
+        """Its status pipe closed: the zygote's account of the death is on its way, and is waited for a short while."""
+        self.dead, self.deadline = True, min(self.deadline, time.monotonic() + DEATH_NOTICE_S)
 
 
 class Batch:
@@ -88,7 +95,8 @@ class Batch:
 
     Admission: at most `num_workers` cells *computing* at once. A cell that used under 30% of a CPU over the last tick
     (sleeping, waiting on IO) does not count, so a batch of sleepers finishes in one sleep while CPU-bound cells are
-    not slowed down (and pushed past their wall-clock limit) by oversubscription. A cell's clock starts at dispatch.
+    not slowed down (and pushed past their wall-clock limit) by oversubscription. A cell's clock starts once its
+    request is on its way.
     """
 
     def __init__(self, sandbox, pairs):
@@ -193,16 +201,13 @@ class Batch:
             self._dispatch(session, index)
 
     def _dispatch(self, session, index: int) -> None:
-        started = time.monotonic()
-        entry = _Running(index, session, started, started + self.sandbox.timeout_s)
+        entry = _Running(index, session)
         proc = entry.proc
         self.running[session] = entry
-        self.sandbox._in_flight.add(entry)
         session.calls += 1
         problem = proc.begin({"code": self.pairs[index][1]})
-        # The cell's clock starts once its request is on the way (a fresh jail may first finish setting up).
-        entry.started = time.monotonic()
-        entry.deadline = entry.started + self.sandbox.timeout_s
+        entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
+        self.sandbox._in_flight.add(entry)
         if problem == "not set up":
             crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
             self._finish(entry, lambda s: self.sandbox._crash_result(s, 0.0, crash=crash))
@@ -214,7 +219,7 @@ class Batch:
                 return
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
             if self.running.get(session) is entry:
-                entry.dead, entry.deadline = True, min(entry.deadline, entry.started + DEATH_NOTICE_S)
+                entry.expect_death()
                 self._watch(entry, proc.sock.fileno(), selectors.EVENT_READ, "death")
             return
         self._watch(entry, proc.status_r, selectors.EVENT_READ, "status")
@@ -283,7 +288,7 @@ class Batch:
                 return
             # Every writer of the status pipe is gone: the process died, and the zygote's account is on its way.
             self._unwatch(entry, "status")
-            entry.dead, entry.deadline = True, min(entry.deadline, time.monotonic() + DEATH_NOTICE_S)
+            entry.expect_death()
             return
         if entry.proc.status is not None:
             entry.reported = True

@@ -153,8 +153,8 @@ class SessionProcess:
         except (ValueError, RecursionError):  # garbage (or JSON nested past the parser's depth): the call still
             # ends only when the process parks or dies, and fails
             self.status_buffer.clear()
-            frames = [{"ok": False, "error": "SystemError: the interpreter sent an invalid status\n"}]
-            frames[0]["fatal"] = "invalid status"
+            error = "SystemError: the interpreter sent an invalid status\n"
+            frames = [{"ok": False, "error": error, "fatal": "invalid status"}]
         if frames and (self.status or {}).get("fatal") != "invalid status":
             self.status = frames[-1] if isinstance(frames[-1], dict) else {"fatal": "invalid status"}
         return True
@@ -174,7 +174,7 @@ class SessionProcess:
         if self.idle_point is None:
             return False
         try:
-            threads = int(os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()[17])
+            threads = int(_stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))[17])
             unread = struct.unpack("i", fcntl.ioctl(self.request_w, termios.FIONREAD, b"\0\0\0\0"))[0]
         except (OSError, IndexError, ValueError, TypeError):
             return False
@@ -261,7 +261,7 @@ class SessionProcess:
     def sched_state(self) -> tuple[str | None, float | None]:
         """Scheduler state ("R" = running or runnable) and CPU seconds so far, from /proc/PID/stat."""
         try:
-            fields = os.pread(self._proc_fd("stat"), 1024, 0).rsplit(b")", 1)[1].split()
+            fields = _stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))
             return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
         except (OSError, IndexError, ValueError):
             return None, None
@@ -298,7 +298,7 @@ class SessionProcess:
                     continue  # already gone
                 try:
                     with open(f"/proc/{pid}/stat", "rb") as f:
-                        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+                        parent = int(_stat_fields(f.read())[1])
                     if parent in members:
                         members.add(pid)
                         todo += _children_of(pid)
@@ -343,6 +343,11 @@ class SessionProcess:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+
+def _stat_fields(stat: bytes) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (which may itself hold spaces and parentheses)."""
+    return stat.rsplit(b")", 1)[1].split()
 
 
 def _children_of(pid: int) -> list[int]:

@@ -405,7 +405,8 @@ class LocalSandbox:
         return refusal(session._closed or self._closed, session._broken)
 
     def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
-        """Turns the zygote's reply for a cell into the `ExecResult` the model sees."""
+        """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
+        the model sees."""
         try:
             head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
             crash = reply.get("crash")

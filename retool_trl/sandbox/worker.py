@@ -4,7 +4,7 @@ Executed as a script (`python -I worker.py CONFIG_JSON CONTROL_FD`), never impor
 It pre-imports the configured modules once, then forks jails ahead of demand (`session_process.py` is the jail's
 side). A jail handed to a session goes to the host with its three channels (request pipe, status pipe, output
 memfd) and its pid as the host sees it: from then on the host runs calls on it directly and decides when a call is
-over (`zygote.py`, host side), without a hop through this process. The zygote keeps what a cell must not reach: it
+over (`channel.py`), without a hop through this process. The zygote keeps what a cell must not reach: it
 reaps deaths (with WNOHANG only) and tells the host how each jail died, from its own wait status.
 Frames on every socket: a 4-byte big-endian length, then UTF-8 JSON.
 """
