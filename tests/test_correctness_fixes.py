@@ -3,13 +3,12 @@
 import pytest
 from datasets import Dataset
 
-from retool_trl import ReToolConfig, ReToolTrainer
+from retool_trl import ReToolConfig
 from retool_trl.parsing import Tags, model_prose
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
-from retool_trl.tiny import save_tiny_model
-from testing_utils import make_bpe_tokenizer, make_char_tokenizer
+from testing_utils import make_bpe_tokenizer, make_char_tokenizer, scripted_trainer
 
 BPE = make_bpe_tokenizer()  # byte-level: any text the sandbox prints can be encoded and decoded back
 CHAR = make_char_tokenizer()
@@ -112,31 +111,8 @@ def test_output_that_is_not_text_becomes_valid_text(printed):
 
 # ------------------------------------------------------------------- the trainer's side
 def trainer_for(tmp_path, scripts, reward_funcs=None, dataset=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=96,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        beta=0.0,
-        seed=0,
-    )
-    values.update(overrides)
-    dataset = dataset or Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4)
-    trainer = ReToolTrainer(
-        save_tiny_model(tmp_path / "m", CHAR),
-        reward_funcs=reward_funcs,
-        args=ReToolConfig(**values),
-        train_dataset=dataset,
-        processing_class=CHAR,
-        sandbox=FakeSandbox(),
-    )
-    trainer._make_generation_backend = lambda model: ScriptedBackend(CHAR, scripts)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer
+    overrides.setdefault("seed", 0)
+    return scripted_trainer(tmp_path, CHAR, scripts, FakeSandbox(), reward_funcs, dataset, **overrides)
 
 
 def test_dropped_rows_are_logged_with_their_real_length_and_leave_the_loss(tmp_path):

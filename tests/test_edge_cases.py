@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import GenerationConfig
 
-from retool_trl import ReToolConfig, ReToolTrainer
+from retool_trl import ReToolConfig
 from retool_trl.generation import TransformersBackend
 from retool_trl.inference import eos_token_ids_of
 from retool_trl.rewards import boxed_accuracy
@@ -20,7 +19,7 @@ from testing_utils import (
     make_char_tokenizer,
     make_tiny_qwen2,
     record_rewards,
-    save_tiny_model,
+    scripted_trainer,
 )
 
 TOKENIZER = make_char_tokenizer()
@@ -64,28 +63,7 @@ def test_retry_uses_a_fresh_session_with_the_earlier_cells_replayed():
 
 
 def trainer_for(tmp_path, scripts, sandbox, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=96,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        beta=0.0,
-    )
-    values.update(overrides)
-    trainer = ReToolTrainer(
-        save_tiny_model(tmp_path / "m", TOKENIZER),
-        args=ReToolConfig(**values),
-        train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4),
-        processing_class=TOKENIZER,
-        sandbox=sandbox,
-    )
-    trainer._make_generation_backend = lambda model: ScriptedBackend(TOKENIZER, scripts)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer
+    return scripted_trainer(tmp_path, TOKENIZER, scripts, sandbox, **overrides)
 
 
 class DownSandbox(FakeSandbox):

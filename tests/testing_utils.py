@@ -35,6 +35,7 @@ __all__ = [
     "record_rewards",
     "save_tiny_model",
     "script_turns",
+    "scripted_trainer",
 ]
 
 
@@ -171,3 +172,35 @@ def record_rewards(trainer) -> dict:
 
     trainer._calculate_rewards = recording
     return seen
+
+
+def scripted_trainer(tmp_path, tokenizer, scripts, sandbox, reward_funcs=None, dataset=None, **overrides):
+    """A `ReToolTrainer` on a tiny CPU model whose rollouts are `scripts` (a `ScriptedBackend`), ready for
+    `_generate_and_score_completions`: batch 4, 4 generations, 96 tokens, no KL unless `overrides` say otherwise."""
+    from datasets import Dataset
+
+    from retool_trl import ReToolConfig, ReToolTrainer
+
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=96,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+    )
+    values.update(overrides)
+    trainer = ReToolTrainer(
+        save_tiny_model(tmp_path / "m", tokenizer),
+        reward_funcs=reward_funcs,
+        args=ReToolConfig(**values),
+        train_dataset=dataset or Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4),
+        processing_class=tokenizer,
+        sandbox=sandbox,
+    )
+    trainer._make_generation_backend = lambda model: ScriptedBackend(tokenizer, scripts)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
