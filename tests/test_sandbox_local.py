@@ -284,13 +284,7 @@ def test_sandbox_is_closed_at_interpreter_exit(tmp_path):
         "sb = LocalSandbox(num_workers=1, preload=())\nsb.session().run('x = 1')\n"
         "import psutil\nprint(','.join(str(p.pid) for p in psutil.Process().children(recursive=True)))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    proc = _python(script)
     assert proc.returncode == 0, proc.stderr
     pids = [int(p) for p in proc.stdout.strip().split(",") if p]
     assert pids
@@ -308,18 +302,18 @@ def test_build_sandbox():
         LocalSandbox(isolation="chroot")
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter from the project's root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+
+
 def test_package_imports_without_torch():
     code = (
         "import sys, retool_trl.sandbox as s; s.build_sandbox; print(sorted(m for m in ('torch', 'transformers', "
         "'trl') if m in sys.modules))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -346,13 +340,7 @@ def test_forked_child_exiting_does_not_stop_the_parents_sandbox():
         "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
         "print(s.run('print(x)').output, end='')\nsb.close()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    proc = _python(script)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "1\n"
 
