@@ -351,3 +351,17 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_pre_started_jail_starts_clean():
+    """Jails pre-started ahead of demand run warm-up cells (to fault in their pages): none of that may show."""
+    with LocalSandbox(num_workers=2, timeout_s=5.0, spares=4) as sb:
+        sb.session().run("pass")
+        time.sleep(1.5)  # the zygote pre-starts (and warms up) its spares while idle
+        for _ in range(10):  # past the jails handed out at the first call, into the warmed-up spares
+            session = sb.session()
+            first = session.run("print(sorted(n for n in globals() if not n.startswith('__')))")
+            assert first.ok and first.output == "[]\n", first.output
+            error = session.run("1 / 0")
+            assert "<cell-2>" in error.output and "ZeroDivisionError" in error.output.splitlines()[-1]
+            session.close()

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
 FIRST_TICK_S = 0.01  # how soon after its start a cell is first checked
-SPIN_S = 0.0003  # how long a lone cell's status is polled before the batch sleeps until it comes
+SPIN_S = 0.0006  # how long a lone cell's status is polled (yielding the CPU) before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
 PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
 CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
@@ -160,6 +160,7 @@ class Batch:
         end = time.monotonic() + SPIN_S
         while not entry.reported and not entry.dead and time.monotonic() < end:
             self._on_status(entry)
+            os.sched_yield()
 
     def _advance(self, session) -> None:
         self.queues[session].popleft()
