@@ -320,7 +320,7 @@ def _install_seccomp(program):
 
 # What a pre-started jail runs (and forgets) before it is handed out: the request loop, a trailing expression, printing
 # and a traceback, so that a session's first call does not pay for copying those pages from the zygote (fork's
-# copy-on-write: 100+ page faults, about a third of a first call's time, measured by scripts/bench_sandbox.py).
+# copy-on-write: 60-170 page faults, about a third of a first call's time, measured by scripts/bench_sandbox.py).
 _WARM_UP_CELLS = (
     "values = [i * i for i in range(8)]\nprint(sum(values), max(values), values[-1] / 3)\n{'n': len(values)}",
     "import math\ntotal = math.sqrt(2.0)\nprint(f'{total:.3f}')\ntotal / 0",
@@ -406,8 +406,8 @@ def session_main(config, jail):
         header = read_exact(REQUEST_FD, HEADER.size)  # the host sees us parked here between calls
         if header is None:
             break
-        status = _serve(cell, read_exact(REQUEST_FD, HEADER.unpack(header)[0]), cpu_s)
-        os.write(STATUS_FD, status)  # then park in the read above: the host kills us if fatal
+        status_frame = _serve(cell, read_exact(REQUEST_FD, HEADER.unpack(header)[0]), cpu_s)
+        os.write(STATUS_FD, status_frame)  # then park in the read above: the host kills us if fatal
     _kill_descendants(uid)
     os._exit(0)
 
