@@ -365,3 +365,22 @@ def test_a_pre_started_jail_starts_clean():
             error = session.run("1 / 0")
             assert "<cell-2>" in error.output and "ZeroDivisionError" in error.output.splitlines()[-1]
             session.close()
+
+
+def test_calls_do_not_wake_the_zygote():
+    """The host stops and resumes a session around each call; only a death is the zygote's business, so those
+    stops must not wake it (each wake-up takes a CPU from the call on a small machine)."""
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=(), spares=1) as sb:
+        session = sb.session()
+        assert session.run("x = 0").ok
+        time.sleep(0.5)  # jails asked for at the first call are pre-started by now: the zygote is idle
+        top = psutil.Process(sb._zygote.proc.pid)
+        # The zygote runs worker.py (under bubblewrap when it can); its forked sessions share its command line.
+        workers = {p.pid: p for p in (top, *top.children(recursive=True)) if p.name().startswith("python")}
+        (zygote,) = [p for p in workers.values() if p.ppid() not in workers]
+        before = zygote.num_ctx_switches().voluntary
+        for _ in range(50):
+            assert session.run("x += 1").ok
+        woken = zygote.num_ctx_switches().voluntary - before
+        assert session.run("print(x)").output == "50\n"
+        assert woken < 10, f"the zygote woke {woken} times during 50 calls"
