@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trl import GRPOConfig
 
+from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 
-_TRUNCATION_SIDES = ("head", "tail", "middle")
-_SANDBOX_BACKENDS = ("local", "remote")
+
+def _bf16_supported() -> bool:
+    """Whether transformers would accept `bf16=True` without `use_cpu` (a bf16 GPU, or an XLA device)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
+# `ReToolOptions` first among the bases so that its fields come after GRPOConfig's (dataclass fields follow the
+# reversed MRO): positional arguments stay TrainingArguments' (`ReToolConfig("out")` is the output_dir).
 @dataclass
-class ReToolConfig(GRPOConfig):
+class ReToolConfig(ReToolOptions, GRPOConfig):
     r"""
     Configuration for [`ReToolTrainer`]: every field of [`~trl.GRPOConfig`] (sampling, KL `beta`, clipping,
     `loss_type`, vLLM, logging, ...) plus the settings of the interleaved code-interpreter rollout.
@@ -88,121 +95,16 @@ class ReToolConfig(GRPOConfig):
             fails again, that completion is dropped from the loss and left unscored instead of scored as wrong.
     """
 
-    code_start: str = field(
-        default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."}
-    )
-    code_end: str = field(
-        default=Tags.code_end, metadata={"help": "Tag that closes a code block; generation stops right after it."}
-    )
-    interpreter_start: str = field(
-        default=Tags.interpreter_start,
-        metadata={"help": "Tag that opens the interpreter output inserted by the rollout."},
-    )
-    interpreter_end: str = field(
-        default=Tags.interpreter_end,
-        metadata={"help": "Tag that closes the interpreter output inserted by the rollout."},
-    )
-    max_tool_calls: int = field(
-        default=8,
-        metadata={
-            "help": "Maximum code executions per completion. After that, the code-end tag no longer triggers "
-            "execution. 0 disables the interpreter (text-only RL)."
-        },
-    )
-    max_interpreter_output_chars: int = field(
-        default=1024,
-        metadata={"help": "Interpreter output is truncated to this many characters before tokenization."},
-    )
-    interpreter_truncation: str = field(
-        default="middle",
-        metadata={
-            "help": "Part of a long interpreter output that is kept: 'head', 'tail' or 'middle' (elide the middle).",
-            "choices": list(_TRUNCATION_SIDES),
-        },
-    )
-    rollout_mode: str = field(
-        default="async",
-        metadata={
-            "help": "'async': each completion runs its own generate/execute loop and continues as soon as its own "
-            "snippet returns (vLLM server mode; elsewhere the barrier loop is used). 'barrier': every turn waits "
-            "for all sequences and snippets of the batch.",
-            "choices": ["async", "barrier"],
-        },
-    )
-    rollout_concurrency: int = field(
-        default=256,
-        metadata={"help": "Async rollout: completions in flight at once on each process (requests to the server)."},
-    )
-    sandbox_backend: str = field(
-        default="local",
-        metadata={
-            "help": "Code execution backend: 'local' (worker pool) or 'remote' (SandboxFusion HTTP API).",
-            "choices": list(_SANDBOX_BACKENDS),
-        },
-    )
-    sandbox_workers: int | None = field(
-        default=None, metadata={"help": "Local sandbox pool size (default: the number of CPUs)."}
-    )
-    sandbox_timeout_s: float = field(default=5.0, metadata={"help": "Wall-clock limit of one code execution."})
-    sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})
-    sandbox_allow_root_without_isolation: bool = field(
-        default=False,
-        metadata={
-            "help": "Local sandbox: as root, run code even when bubblewrap does not work (cells then see the "
-            "host file system). Off by default: the sandbox refuses and says how to fix it."
-        },
-    )
-    sandbox_url: str | None = field(
-        default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}
-    )
-    sandbox_max_concurrency: int = field(
-        default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}
-    )
-    system_prompt: str | None = field(
-        default="retool",
-        metadata={
-            "help": "System prompt added to conversational prompts that have none: a shipped name "
-            f"({', '.join(SYSTEM_PROMPTS)}), a literal prompt, or 'none'."
-        },
-    )
-    correct_reward: float = field(default=1.0, metadata={"help": "Reward of a correct final \\boxed{} answer."})
-    incorrect_reward: float = field(
-        default=-1.0, metadata={"help": "Reward of a wrong or missing final \\boxed{} answer."}
-    )
-
-    # Stability options (off by default = the ReTool paper's behaviour, except `drop_infra_failures`).
-    filter_void_turns: bool = field(
-        default=False,
-        metadata={
-            "help": "SimpleTIR: drop from the loss every completion with a 'void' turn (a finished turn with neither "
-            "a complete code block nor a \\boxed{} answer)."
-        },
-    )
-    roc_oversample: int = field(
-        default=1,
-        metadata={
-            "help": "rStar2-Agent's GRPO-RoC: sample this many times num_generations per prompt, then keep "
-            "num_generations: correct ones with the fewest tool errors / format problems, wrong ones at random, in "
-            "the sampled proportion. 1 disables it. Needs whole groups on each process and an `answer` column."
-        },
-    )
-    tool_use_bonus: float = field(
-        default=0.0,
-        metadata={
-            "help": "Reward shaping (verl/slime ReTool recipes): a wrong answer that called code gets this much more "
-            "than a wrong answer that did not (adds `retool_trl.rewards.tool_use_shaping`). 0 disables it."
-        },
-    )
-    drop_infra_failures: bool = field(
-        default=True,
-        metadata={
-            "help": "A sandbox failure that is not the snippet's fault (worker lost, service down) is retried once; "
-            "if it fails again, drop that completion from the loss and leave it unscored instead of scoring it -1."
-        },
-    )
-
     def __post_init__(self):
         self._validate_retool_fields()
+        # TRL defaults `bf16` to True, which transformers refuses on a machine without a bf16 GPU: left unset, it
+        # follows the hardware, so `ReToolConfig(...)` works on CPU as written (an explicit `bf16=True` still fails).
+        if self.bf16 is None and not self.fp16 and not _bf16_supported():
+            self.bf16 = False
+        # TRL's default `gradient_checkpointing=True` uses the name transformers >= 5.3 deprecates (one FutureWarning
+        # per config); where `activation_checkpointing` exists and is unset, the value moves to it.
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
 
     def _validate_retool_fields(self) -> None:
@@ -238,18 +140,18 @@ class ReToolConfig(GRPOConfig):
                 "ReToolConfig.max_interpreter_output_chars must be >= 16 (room for the truncation marker), got "
                 f"{self.max_interpreter_output_chars}."
             )
-        if self.interpreter_truncation not in _TRUNCATION_SIDES:
+        if self.interpreter_truncation not in TRUNCATION_SIDES:
             raise ValueError(
-                f"ReToolConfig.interpreter_truncation must be one of {_TRUNCATION_SIDES}, got "
+                f"ReToolConfig.interpreter_truncation must be one of {TRUNCATION_SIDES}, got "
                 f"{self.interpreter_truncation!r}."
             )
         if self.rollout_mode not in ("async", "barrier"):
             raise ValueError(f"ReToolConfig.rollout_mode must be 'async' or 'barrier', got {self.rollout_mode!r}.")
         if self.rollout_concurrency < 1:
             raise ValueError(f"ReToolConfig.rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
-        if self.sandbox_backend not in _SANDBOX_BACKENDS:
+        if self.sandbox_backend not in SANDBOX_BACKENDS:
             raise ValueError(
-                f"ReToolConfig.sandbox_backend must be one of {_SANDBOX_BACKENDS}, got {self.sandbox_backend!r}."
+                f"ReToolConfig.sandbox_backend must be one of {SANDBOX_BACKENDS}, got {self.sandbox_backend!r}."
             )
         if self.sandbox_backend == "remote" and not self.sandbox_url:
             raise ValueError("ReToolConfig.sandbox_url is required when sandbox_backend='remote'.")

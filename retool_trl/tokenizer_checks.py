@@ -89,6 +89,19 @@ def check_tokenizer(
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def declares_generic_tokenizer(path: str) -> bool:
+    """Whether the folder `path` saved a generic tokenizer (`TokenizersBackend`), which must be loaded as saved."""
+    config_file = Path(path, "tokenizer_config.json")
+    if not config_file.is_file():
+        return False
+    import json
+
+    try:
+        return json.loads(config_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of a model folder or hub id, left-padded and left-truncated as TRL's GRPOTrainer loads it.
 
@@ -102,13 +115,8 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        config_file = Path(path, "tokenizer_config.json")
-        if config_file.is_file() and type(tokenizer).__name__ not in _GENERIC_TOKENIZER_CLASSES:
-            import json
-
-            declared = json.loads(config_file.read_text()).get("tokenizer_class")
-            if declared in _GENERIC_TOKENIZER_CLASSES:
-                tokenizer = PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+        if type(tokenizer).__name__ not in _GENERIC_TOKENIZER_CLASSES and declares_generic_tokenizer(path):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
         return tokenizer
     except (OSError, ValueError) as error:
         raise UserError(
@@ -117,4 +125,4 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
         ) from None
 
 
-__all__ = ["check_tokenizer", "load_tokenizer"]
+__all__ = ["check_tokenizer", "declares_generic_tokenizer", "load_tokenizer"]

@@ -10,7 +10,9 @@ PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so i
 
 from __future__ import annotations
 
+import contextlib
 import random
+import warnings
 
 import torch
 from trl import GRPOTrainer
@@ -19,13 +21,16 @@ from trl.models import unwrap_model_for_generation
 
 from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
 from .config import ReToolConfig
+from .errors import UserError
 from .generation import TransformersBackend
 from .metrics import rollout_metrics
+from .names import resolve_model
 from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .sandbox.factory import sandbox_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
+from .tokenizer_checks import declares_generic_tokenizer, load_tokenizer
 from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
 
 
@@ -45,6 +50,12 @@ class ReToolTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "retool"]
 
     def __init__(self, model, reward_funcs=None, args: ReToolConfig | None = None, *pos, sandbox=None, **kwargs):
+        if isinstance(model, str):  # a shipped alias ("quickstart") becomes its folder; impossible names fail now
+            model = resolve_model(model, "model")
+            if len(pos) < 3 and kwargs.get("processing_class") is None and declares_generic_tokenizer(model):
+                # TRL's AutoProcessor would swap in the model type's tokenizer class (see `load_tokenizer`).
+                trust = bool(args is not None and args.trust_remote_code)
+                kwargs["processing_class"] = load_tokenizer(model, trust_remote_code=trust)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = ReToolConfig(f"{name.split('/')[-1]}-ReTool")
@@ -60,6 +71,7 @@ class ReToolTrainer(GRPOTrainer):
         _check_answer_column(reward_funcs, *datasets)
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        _check_chat_template(self.processing_class, datasets, model)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
@@ -151,7 +163,8 @@ class ReToolTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
         self._rollout_inputs = inputs
-        output = super()._generate_and_score_completions(inputs)
+        with _checkpointing_alias_quiet():
+            output = super()._generate_and_score_completions(inputs)
         # Rows dropped from the loss (void turns, infrastructure failures) leave it here, after TRL has logged their
         # real lengths: an all-zero env_mask would have been logged as an empty completion.
         if any(self._dropped):
@@ -227,6 +240,37 @@ class ReToolTrainer(GRPOTrainer):
             problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
             keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
         return select_rows(result, keep)
+
+
+@contextlib.contextmanager
+def _checkpointing_alias_quiet():
+    """TRL 1.16's generation helpers (`unwrap_model_for_generation`, `disable_gradient_checkpointing`) read
+    `is_gradient_checkpointing`, an alias transformers >= 5.3 deprecates: a FutureWarning at every step that is none
+    of the user's doing. Only that message is silenced, only around TRL's generation step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+def _check_chat_template(processing_class, datasets, model) -> None:
+    """Conversational prompts need a chat template: say so when the trainer is built, not at the first step."""
+    from trl.data_utils import is_conversational
+
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if getattr(tokenizer, "chat_template", None) or getattr(processing_class, "chat_template", None):
+        return
+    for dataset in datasets:
+        if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "column_names"):
+            continue  # an IterableDataset (or a dict of datasets) is not read ahead
+        if len(dataset) and "prompt" in dataset.column_names and is_conversational(dataset[0]):
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "the model")
+            raise UserError(
+                f"the dataset's prompts are conversations but the tokenizer of {name} has no chat template: load "
+                "the data as plain text (`prompt_format='plain'`, e.g. `load_math_dataset(name, "
+                "prompt_format='plain')`) or use a model whose tokenizer has a chat template."
+            )
 
 
 def _server_url(args) -> str:

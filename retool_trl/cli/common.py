@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import UserError, one_line
+from ..errors import UserError
 
 logger = logging.getLogger("retool_trl.cli")
 
@@ -18,20 +18,10 @@ PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
-    """A model folder or hub id; `quickstart` is the tiny model shipped with the package."""
-    if not name:
-        raise UserError(f"no model given: set `{option}` in the config or pass --{option}.")
-    if name == "quickstart":
-        from ..quickstart import model_path
+    """A model folder or hub id; `quickstart` is the tiny model shipped with the package (see `retool_trl.names`)."""
+    from ..names import resolve_model
 
-        try:
-            return model_path()
-        except FileNotFoundError as error:
-            raise UserError(one_line(error)) from None
-    looks_local = name.startswith((".", "/", "~")) or os.path.isabs(name)
-    if looks_local and not os.path.exists(os.path.expanduser(name)):
-        raise UserError(f"model folder {name!r} does not exist; check {option}.")
-    return os.path.expanduser(name)
+    return resolve_model(name, option)
 
 
 def model_init_kwargs(model_args, config_kwargs) -> dict:

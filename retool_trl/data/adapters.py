@@ -174,6 +174,19 @@ def find_known_dataset(name: str) -> DatasetSpec | None:
     return None
 
 
+SYNTHETIC_NAMES = ("synthetic", "retool_trl/synthetic", "arithmetic")
+
+
+def check_dataset_name(name: str, option: str = "dataset_name") -> None:
+    """Fails at once, before any hub call, on a name that is not a known dataset, a local file or a hub id `org/name`
+    (a near miss of a known name gets "did you mean"; see [`~retool_trl.names.check_hub_id`])."""
+    if name.strip().lower() in SYNTHETIC_NAMES or find_known_dataset(name) is not None:
+        return
+    from ..names import check_hub_id
+
+    check_hub_id(name, "dataset", option, [*KNOWN_DATASETS, *_ALIASES, "synthetic"], error=DataError)
+
+
 def is_local_dataset(name: str) -> bool:
     """Whether `name` refers to a local file or folder rather than a hub dataset."""
     return os.path.exists(name) or Path(name).suffix.lower() in LOCAL_FORMATS
@@ -286,6 +299,7 @@ def load_math_dataset(
     max_samples: int | None = None,
     seed: int = 0,
     num_proc: int | None = None,
+    option: str = "dataset_name",
 ):
     """Loads a math dataset and maps it to `prompt` + `answer` (see the module docstring).
 
@@ -304,19 +318,22 @@ def load_math_dataset(
         max_samples (`int`, *optional*): Keep only the first `max_samples` rows.
         seed (`int`): Seed of the `synthetic` problems.
         num_proc (`int`, *optional*): Processes for `Dataset.map`.
+        option (`str`): The setting that named the dataset, for messages.
 
     Returns:
         `datasets.Dataset` with columns `prompt` and `answer`.
 
     Raises:
         DataError: missing columns, unknown format, unreadable local file.
+        UserError: a name that cannot be a dataset (see `check_dataset_name`), before any hub call.
     """
     if system_prompt is _DEFAULT:
         system_prompt = _default_system_prompt()
     if max_samples is not None and max_samples < 1:
         raise DataError(f"max_samples must be >= 1, got {max_samples}.")
 
-    if name.strip().lower() in ("synthetic", "retool_trl/synthetic", "arithmetic"):
+    check_dataset_name(name, option)
+    if name.strip().lower() in SYNTHETIC_NAMES:
         from .synthetic import make_arithmetic_dataset
 
         difficulty = int(config_name) if config_name else 2
@@ -360,6 +377,7 @@ __all__ = [
     "PROMPT_FORMATS",
     "aime_example",
     "build_prompt",
+    "check_dataset_name",
     "dapo_math_example",
     "find_known_dataset",
     "gsm8k_example",

@@ -37,6 +37,7 @@ def load_problems(
     answer_column: str | None = None,
     max_samples: int | None = None,
     seed: int = 0,
+    option: str = "dataset_name",
 ):
     """[`~retool_trl.data.load_math_dataset`] for the commands: loading failures become `DataError`, and an empty
     result is an error.
@@ -49,6 +50,7 @@ def load_problems(
         prompt_column, answer_column (`str`, *optional*): Columns of the problem and the gold answer.
         max_samples (`int`, *optional*): Keep only the first rows.
         seed (`int`): Seed of the synthetic task.
+        option (`str`): The setting that named the dataset, for messages.
 
     Raises:
         DataError: naming the dataset and what to fix.
@@ -64,6 +66,7 @@ def load_problems(
             answer_column=answer_column,
             max_samples=max_samples,
             seed=seed,
+            option=option,
         )
     except DataError:
         raise
@@ -90,12 +93,17 @@ def load_traces(
     prompt_column: str | None = None,
     completion_column: str | None = None,
     max_samples: int | None = None,
+    option: str = "dataset_name",
 ):
     """SFT traces: a `messages` column, or `prompt` + `completion` columns (renamed from the given columns).
 
     Raises:
         DataError: the dataset cannot be loaded, lacks the columns, or has no traces.
     """
+    if not is_local_dataset(name):
+        from ..names import check_hub_id
+
+        check_hub_id(name, "dataset", option, error=DataError)
     try:
         if is_local_dataset(name):
             dataset = _load_local(name)

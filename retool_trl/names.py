@@ -1,0 +1,110 @@
+"""Model and dataset names, resolved offline before anything asks the Hugging Face Hub.
+
+A name is one of: an alias shipped with the package (`quickstart`, `dapo_math`, `gsm8k`, ...), a local path, or a
+hub id `org/name`. What cannot be any of those fails at once with one line, instead of after a minute of hub retries
+(`huggingface_hub` retries an unreachable hub 5 times): a near miss of an alias gets "did you mean", a path that
+does not exist is named, and a bare word that is neither an alias nor a local file is not taken for a hub id.
+
+A leaf module (no torch, no TRL): the command line checks every name here before it loads anything.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from .errors import UserError
+
+ASSETS = Path(__file__).parent / "assets"
+# Checkpoints shipped with the package, by the alias `model_name_or_path` / `--model` accept.
+MODEL_ALIASES = {"quickstart": "quickstart_model", "quickstart_multiturn": "multiturn_model"}
+# `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".safetensors", ".bin", ".yaml", ".yml")
+
+
+def quickstart_model_path(name: str = "quickstart") -> str:
+    """Folder of a checkpoint shipped with the package: `quickstart` (the CPU quickstart's tiny model) or
+    `quickstart_multiturn`. The same aliases work as `model_name_or_path` on the command line and as the `model` of
+    [`~retool_trl.ReToolTrainer`].
+
+    Raises:
+        UserError: an unknown alias, or a shipped checkpoint missing from this installation.
+    """
+    if name not in MODEL_ALIASES:
+        raise UserError(f"unknown shipped model {name!r}: expected one of {', '.join(MODEL_ALIASES)}.")
+    folder = ASSETS / MODEL_ALIASES[name]
+    if not (folder / "config.json").is_file():
+        script = "build_quickstart_model.py" if name == "quickstart" else "build_multiturn_model.py"
+        raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/{script}`.")
+    return str(folder)
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` is written as a path (`./x`, `/x`, `~/x`, `a/b/c`, `x.jsonl`) rather than a hub id or alias."""
+    return (
+        name.startswith((".", "/", "~"))
+        or os.path.isabs(name)
+        or name.count("/") > 1
+        or "\\" in name
+        or name.lower().endswith(_LOCAL_SUFFIXES)
+    )
+
+
+def _near(name: str, known: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(name.strip().lower().replace("-", "_"), list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def check_hub_id(
+    name: str, what: str, option: str, known: Iterable[str] = (), path_noun: str | None = None, error=UserError
+) -> None:
+    """Fails at once on a `name` that is neither a local path nor a plausible hub id, before any hub call.
+
+    Args:
+        name (`str`): The model or dataset as given.
+        what (`str`): `"model"` or `"dataset"`, for messages.
+        option (`str`): The option that set it, for messages.
+        known (`Iterable[str]`): The aliases of that kind, for "did you mean".
+        path_noun (`str`, *optional*): What a local path is called in messages (default: `what`).
+        error (`type`): The `UserError` subclass to raise.
+
+    Raises:
+        UserError: a near miss of an alias, a local-looking path that does not exist, or a bare word.
+    """
+    known = list(known)
+    listed = f" ({', '.join(known)})" if known else ""
+    if os.path.exists(os.path.expanduser(name)):
+        return
+    if looks_local(name):
+        raise error(f"{path_noun or what} {name!r} does not exist; check {option}.")
+    if _HUB_ID.match(name):
+        return
+    close = _near(name, known)
+    if close:
+        raise error(f"unknown {what} {name!r}: did you mean {close!r}? Check {option}.")
+    raise error(
+        f"{what} {name!r} is not a local file or folder, a known name{listed}, or a hub id of the form 'org/name'; "
+        f"check {option} (write a local folder as ./{name})."
+    )
+
+
+def resolve_model(name: str | None, option: str = "model_name_or_path") -> str:
+    """A model folder or hub id for `name`: a shipped alias becomes its folder, `~` is expanded, and names that
+    cannot be a model fail here (see [`check_hub_id`]).
+
+    Raises:
+        UserError: no name, or one that cannot be a model.
+    """
+    if not name:
+        raise UserError(f"no model given: set `{option}` in the config or pass --{option}.")
+    if name in MODEL_ALIASES:
+        return quickstart_model_path(name)
+    check_hub_id(name, "model", option, MODEL_ALIASES, path_noun="model folder")
+    return os.path.expanduser(name)
+
+
+__all__ = ["MODEL_ALIASES", "check_hub_id", "looks_local", "quickstart_model_path", "resolve_model"]
