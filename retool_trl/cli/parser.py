@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from trl.scripts.utils import TrlParser
 
 from ..errors import UserError, one_line
+from .help import OneDefaultFormatter
 
 
 def _accepts(hint, kind: type) -> bool:
@@ -44,7 +45,16 @@ class ArgumentParser(TrlParser):
     """
 
     def __init__(self, dataclass_types: Sequence[type], prog: str):
-        super().__init__(dataclass_types, prog=prog, allow_abbrev=False)
+        super().__init__(dataclass_types, prog=prog, allow_abbrev=False, formatter_class=OneDefaultFormatter)
+        # Listed first in --help (TRL reads `--config FILE` itself before argparse parses the rest).
+        config = self.add_argument(
+            "--config",
+            metavar="FILE.yaml",
+            default=argparse.SUPPRESS,
+            help="YAML file of options; command-line values override it.",
+        )
+        self._optionals._group_actions.remove(config)
+        self._optionals._group_actions.insert(1, config)
         self._hints = {}
         for dtype in dataclass_types:
             self._hints.update(typing.get_type_hints(dtype))
@@ -56,7 +66,7 @@ class ArgumentParser(TrlParser):
     def _options(self) -> dict[str, argparse.Action]:
         options: dict[str, argparse.Action] = {}
         for action in self._actions:  # the first action of a dest is its `--name` (a `--no_name` one follows)
-            if action.option_strings and action.dest != "help":
+            if action.option_strings and action.dest not in ("help", "config"):
                 options.setdefault(action.dest, action)
         return options
 

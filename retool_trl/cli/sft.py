@@ -14,6 +14,7 @@ from trl.scripts.utils import ScriptArguments
 from ..errors import UserError, one_line
 from ..prompts import SYSTEM_PROMPTS, Tags
 from .common import PROG, PROMPT_FORMAT_CHOICES, finish, logger, model_init_kwargs, resolve_model_path, resume_value
+from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
 
 
@@ -52,6 +53,51 @@ class SFTScriptArguments(ScriptArguments):
     prompt_column: str | None = field(default=None, metadata={"help": "Column with the prompts."})
     completion_column: str | None = field(default=None, metadata={"help": "Column with the completions."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N traces."})
+
+
+SFT_TRL_OPTIONS = (
+    "output_dir dtype max_steps num_train_epochs learning_rate per_device_train_batch_size "
+    "gradient_accumulation_steps max_length use_peft lora_r bf16 use_cpu logging_steps save_strategy report_to seed"
+)
+
+
+def sft_help() -> str:
+    """The short `retool-trl sft --help` (imports neither torch nor TRL's trainers)."""
+    from trl import ModelConfig
+
+    from .train import MODEL_HELP
+
+    return render_help(
+        f"{PROG} sft",
+        "Cold-start SFT on code-integrated traces; the interpreter's output is masked from the loss. Options come\n"
+        "from --config FILE.yaml and the command line, which wins. Example: retool-trl sft --config "
+        "configs/sft_cold_start.yaml",
+        [
+            (
+                "model and data",
+                [
+                    "model_name_or_path",
+                    "dataset_name",
+                    "dataset_config",
+                    "dataset_train_split",
+                    "prompt_format",
+                    "messages_column",
+                    "prompt_column",
+                    "completion_column",
+                    "max_train_samples",
+                ],
+            ),
+            ("text format", ["system_prompt", "code_start", "code_end", "interpreter_start", "interpreter_end"]),
+        ],
+        [SFTScriptArguments, ModelConfig],
+        overrides={
+            "model_name_or_path": MODEL_HELP,
+            "dataset_name": "Traces: a hub id 'org/name' (e.g. JoeYing/ReTool-SFT) or a local .jsonl/.json/.parquet/"
+            ".csv file, with a 'messages' column or 'prompt' and 'completion' columns.",
+            "dataset_config": "Hub configuration of dataset_name.",
+        },
+        epilog=more_options(f"{PROG} sft", "SFTConfig", SFT_TRL_OPTIONS),
+    )
 
 
 def parse_sft_args(argv: Sequence[str]):
@@ -141,7 +187,10 @@ def build_sft(argv: Sequence[str]):
 
 def main(argv: Sequence[str]) -> int:
     """`retool-trl sft [--config FILE.yaml] [--key value ...]`."""
-    trainer = build_sft(argv)
+    if wants_help(argv):
+        print(sft_help().rstrip("\n"))
+        return 0
+    trainer = build_sft(help_all_argv(argv))
     trainer.train(resume_from_checkpoint=resume_value(trainer.args))
     finish(trainer, trainer.args.output_dir)
     return 0

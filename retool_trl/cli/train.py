@@ -6,6 +6,7 @@ so every `GRPOConfig` field, LoRA (`use_peft`, `lora_r`, ...) and `--config` YAM
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +24,15 @@ from .common import (
     resolve_model_path,
     resume_value,
 )
+from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
+
+_DATASET_HELP = (
+    "Training problems: a known dataset (dapo_math, aime_2024, aime_2025, math500, gsm8k, synthetic), a hub id "
+    "'org/name', or a local .jsonl/.json/.parquet/.csv file."
+)
+# TRL's ScriptArguments fields that `retool-trl train` does not use or refuses; listed by --help-all only.
+_HIDDEN_SCRIPT_FIELDS = ("dataset_streaming", "ignore_bias_buffers", "dataset_test_split", "eval_dataset_config")
 
 
 @dataclass
@@ -78,6 +87,44 @@ class TrainScriptArguments(ScriptArguments):
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation problems."})
     pad_token: str | None = field(
         default=None, metadata={"help": "Pad token to set when the tokenizer has none (e.g. its EOS token)."}
+    )
+
+
+MODEL_HELP = (
+    "Model folder, hub id 'org/name', or 'quickstart' (the tiny model shipped with the package; CPU quickstart)."
+)
+TRL_OPTIONS = (
+    "output_dir dtype max_steps num_train_epochs learning_rate per_device_train_batch_size "
+    "gradient_accumulation_steps num_generations max_completion_length temperature beta loss_type use_vllm vllm_mode "
+    "use_peft lora_r bf16 use_cpu logging_steps save_strategy report_to seed"
+)
+
+
+def train_help() -> str:
+    """The short `retool-trl train --help` (imports neither torch nor TRL's trainers)."""
+    from trl import ModelConfig
+
+    from ..options import OPTION_GROUPS, ReToolOptions
+
+    data = [f.name for f in dataclasses.fields(TrainScriptArguments) if f.name not in _HIDDEN_SCRIPT_FIELDS]
+    return render_help(
+        f"{PROG} train",
+        "GRPO with a Python interpreter in the rollout (ReToolTrainer). Options come from --config FILE.yaml (see\n"
+        "configs/) and the command line, which wins. Example: retool-trl train --config configs/quickstart.yaml",
+        [
+            ("model and data", ["model_name_or_path", *[n for n in data if n != "reward_funcs"]]),
+            ("rollout", OPTION_GROUPS["rollout"]),
+            ("sandbox", OPTION_GROUPS["sandbox"]),
+            ("rewards", ["reward_funcs", *OPTION_GROUPS["rewards"]]),
+            ("stability (off by default, as in the paper, except drop_infra_failures)", OPTION_GROUPS["stability"]),
+        ],
+        [TrainScriptArguments, ReToolOptions, ModelConfig],
+        overrides={
+            "model_name_or_path": MODEL_HELP,
+            "dataset_name": _DATASET_HELP,
+            "dataset_config": "Hub configuration of dataset_name (for synthetic: the difficulty, e.g. '2').",
+        },
+        epilog=more_options(f"{PROG} train", "GRPOConfig", TRL_OPTIONS),
     )
 
 
@@ -176,7 +223,10 @@ def build_train(argv: Sequence[str]):
 
 def main(argv: Sequence[str]) -> int:
     """`retool-trl train [--config FILE.yaml] [--key value ...]`."""
-    trainer = build_train(argv)
+    if wants_help(argv):
+        print(train_help().rstrip("\n"))
+        return 0
+    trainer = build_train(help_all_argv(argv))
     trainer.train(resume_from_checkpoint=resume_value(trainer.args))
     finish(trainer, trainer.args.output_dir)
     return 0
