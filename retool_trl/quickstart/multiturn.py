@@ -17,11 +17,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
-from .rewards import boxed_accuracy, is_correct
-from .sandbox import ExecResult
+from ..data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
+from ..rewards import boxed_accuracy, is_correct
+from ..sandbox import ExecResult
 
-MULTITURN_MODEL_DIR = Path(__file__).parent / "assets" / "multiturn_model"
+MULTITURN_MODEL_DIR = Path(__file__).parent.parent / "assets" / "multiturn_model"
 
 
 def multiturn_model_path() -> str:
@@ -164,8 +164,8 @@ MULTITURN_PANELS = (
 
 def multiturn_plan(args):
     """The multi-turn task's part of `run_quickstart` (a `TaskPlan`)."""
-    from .data.synthetic import make_multiturn_splits
-    from .quickstart import TaskPlan
+    from ..data.synthetic import make_multiturn_splits
+    from .runner import TaskPlan
 
     task = MultiturnTask()
     splits = make_multiturn_splits(args.num_train, args.num_eval, seed=args.seed, test_fraction=task.test_fraction)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .plotting import ARITHMETIC_PANELS, plot_comparison
+from ..plotting import ARITHMETIC_PANELS, plot_comparison
 
 # Re-exported: the quickstart model is built with them (scripts/build_quickstart_model.py).
-from .tiny import build_char_tokenizer, build_tiny_model  # noqa: F401
+from ..tiny import build_char_tokenizer, build_tiny_model  # noqa: F401
 
-QUICKSTART_MODEL_DIR = Path(__file__).parent / "assets" / "quickstart_model"
+QUICKSTART_MODEL_DIR = Path(__file__).parent.parent / "assets" / "quickstart_model"
 
 
 def model_path() -> str:
@@ -125,7 +125,7 @@ RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (tex
 
 
 def _rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_tool_calls: int = 2, **overrides):
-    from .config import ReToolConfig
+    from ..config import ReToolConfig
 
     settings = dict(
         output_dir=str(run_dir),
@@ -159,7 +159,7 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     `NAME.md`) for inspection."""
     from transformers import set_seed
 
-    from .evaluation import evaluate, write_report
+    from ..evaluation import evaluate, write_report
 
     set_seed(seed)
     model.eval()
@@ -168,7 +168,7 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     m = report.metrics
     metrics = {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
     if multiturn:
-        from .quickstart_multiturn import recovery_rate
+        from .multiturn import recovery_rate
 
         rate, failing = recovery_rate(report.records)
         metrics.update(calls_per_completion=m["calls_per_answer"], recovery_rate=rate, failing_completions=failing)
@@ -245,7 +245,7 @@ def train_run(
     """
     from transformers import AutoModelForCausalLM
 
-    from .trainer import ReToolTrainer
+    from ..trainer import ReToolTrainer
 
     run_dir = out / name
     config = _rl_config(args, run_dir, with_tools=name == "tool_rl" if with_tools is None else with_tools, **overrides)
@@ -307,7 +307,7 @@ class TaskPlan:
 
 
 def _arithmetic_plan(args: QuickstartArguments) -> TaskPlan:
-    from .data.synthetic import make_splits
+    from ..data.synthetic import make_splits
 
     task = QuickstartTask()
     splits = make_splits(
@@ -341,10 +341,10 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     import torch
     from transformers import AutoTokenizer
 
-    from .sandbox.factory import sandbox_from_config
+    from ..sandbox.factory import sandbox_from_config
 
     if kwargs.get("task") == "multiturn":
-        from .quickstart_multiturn import MULTITURN_DEFAULTS, multiturn_plan
+        from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
 
         kwargs = {**MULTITURN_DEFAULTS, **kwargs}
     args = QuickstartArguments(output_dir=str(output_dir), **kwargs)
@@ -386,14 +386,14 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """`retool-trl quickstart [--output-dir DIR] [--max-steps N] ...`: every [`QuickstartArguments`] field."""
-    from .errors import UserError
+    from ..errors import UserError
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, no usage block (the CLI prints it)
             raise UserError(f"{message} (see `retool-trl quickstart --help`)")
 
     parser = _Parser(prog="retool-trl quickstart", description=QuickstartArguments.__doc__.split("\n\n")[0])
-    from .quickstart_multiturn import MULTITURN_DEFAULTS
+    from .multiturn import MULTITURN_DEFAULTS
 
     for f in fields(QuickstartArguments):
         kind = {"int": int, "float": float}.get(str(f.type), str)
