@@ -75,8 +75,7 @@ def main():
 
     from transformers import AutoTokenizer
 
-    from retool_trl.data.synthetic import make_splits
-    from retool_trl.quickstart import QuickstartArguments, QuickstartTask, _rl_config, model_path, train_run
+    from retool_trl.quickstart import QuickstartArguments, arithmetic_plan, rl_config, train_run
     from retool_trl.sandbox.factory import sandbox_from_config
 
     names = options.variants.split(",")
@@ -88,18 +87,10 @@ def main():
     )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    task = QuickstartTask()
-    start = model_path()
+    plan = arithmetic_plan(args)  # the quickstart's problems and shipped model
+    start, splits = plan.model, plan.splits
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
-    splits = make_splits(
-        args.num_train,
-        args.num_eval,
-        seed=args.seed,
-        difficulty=task.difficulty,
-        kinds=task.kinds,
-        test_fraction=task.test_fraction,
-    )
-    sandbox = sandbox_from_config(_rl_config(args, out, with_tools=True))
+    sandbox = sandbox_from_config(rl_config(args, out, with_tools=True))
     started = time.perf_counter()
     results, histories = {}, {}
     try:

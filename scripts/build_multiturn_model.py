@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from retool_trl.data.synthetic import make_multiturn_sft_traces
 from retool_trl.quickstart import QUICKSTART_MODEL_DIR, build_char_tokenizer, build_tiny_model
-from retool_trl.quickstart_multiturn import MULTITURN_MODEL_DIR, MultiturnTask
+from retool_trl.quickstart.multiturn import MULTITURN_MODEL_DIR, MultiturnTask
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
 
 

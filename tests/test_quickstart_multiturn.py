@@ -11,7 +11,7 @@ from retool_trl.data.synthetic import (
     sample_multiturn_problems,
 )
 from retool_trl.quickstart import CompactProgressCallback, run_quickstart
-from retool_trl.quickstart_multiturn import CellBudgetSandbox, boxed_accuracy_and_recovery, recovery_rate
+from retool_trl.quickstart.multiturn import CellBudgetSandbox, boxed_accuracy_and_recovery, recovery_rate
 from retool_trl.sandbox import ExecResult, build_sandbox
 
 CELL = re.compile(r"<code>(.*?)</code><interpreter>(.*?)</interpreter>", re.DOTALL)
@@ -192,8 +192,8 @@ def test_shipped_model_solves_in_dependent_cells_and_needs_the_session_state():
 
     from retool_trl.data.synthetic import make_multiturn_splits
     from retool_trl.evaluation import evaluate
-    from retool_trl.quickstart import QuickstartArguments, _rl_config
-    from retool_trl.quickstart_multiturn import MULTITURN_DEFAULTS, MultiturnTask, multiturn_model_path
+    from retool_trl.quickstart import QuickstartArguments, rl_config
+    from retool_trl.quickstart.multiturn import MULTITURN_DEFAULTS, MultiturnTask, multiturn_model_path
 
     path = Path(multiturn_model_path())
     assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) < 2 * 2**20
@@ -202,7 +202,7 @@ def test_shipped_model_solves_in_dependent_cells_and_needs_the_session_state():
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     task = MultiturnTask()
     args = QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS)
-    config = _rl_config(
+    config = rl_config(
         args,
         Path("unused"),
         True,

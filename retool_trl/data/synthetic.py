@@ -251,7 +251,7 @@ FAILURES = ("undefined_name", "too_long", "typo", "wrong_name")
 
 
 def cell_too_long_error(max_chars: int = MULTITURN_CELL_CHARS) -> str:
-    """The interpreter's reply to a cell over the budget (what `retool_trl.quickstart_multiturn` returns)."""
+    """The interpreter's reply to a cell over the budget (what `retool_trl.quickstart.multiturn` returns)."""
     return f"CellTooLong: over {max_chars} chars\n"
 
 

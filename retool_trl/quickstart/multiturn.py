@@ -17,11 +17,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
-from .rewards import boxed_accuracy, is_correct
-from .sandbox import ExecResult
+from ..data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
+from ..rewards import boxed_accuracy, is_correct
+from ..sandbox import ExecResult
+from .plan import TaskPlan
 
-MULTITURN_MODEL_DIR = Path(__file__).parent / "assets" / "multiturn_model"
+MULTITURN_MODEL_DIR = Path(__file__).parent.parent / "assets" / "multiturn_model"
 
 
 def multiturn_model_path() -> str:
@@ -120,6 +121,17 @@ def recovery_rate(records: Sequence[dict]) -> tuple[float | None, int]:
     return (sum(failing) / len(failing) if failing else None), len(failing)
 
 
+def multiturn_eval_metrics(report) -> dict:
+    """The multi-turn task's evaluation metrics beyond accuracy, code ratio and length: calls per completion, the
+    recovery rate and the number of completions with a failing cell (from an `EvalReport`)."""
+    rate, failing = recovery_rate(report.records)
+    return {
+        "calls_per_completion": report.metrics["calls_per_answer"],
+        "recovery_rate": rate,
+        "failing_completions": failing,
+    }
+
+
 def boxed_accuracy_and_recovery(
     completions, answer, model_text=None, num_tool_errors=None, log_metric=None, **kwargs
 ) -> list:
@@ -162,10 +174,9 @@ MULTITURN_PANELS = (
 )
 
 
-def multiturn_plan(args):
-    """The multi-turn task's part of `run_quickstart` (a `TaskPlan`)."""
-    from .data.synthetic import make_multiturn_splits
-    from .quickstart import TaskPlan
+def multiturn_plan(args) -> TaskPlan:
+    """The multi-turn task's part of `run_quickstart`: its problems, checkpoint, cell budget, reward and metrics."""
+    from ..data.synthetic import make_multiturn_splits
 
     task = MultiturnTask()
     splits = make_multiturn_splits(args.num_train, args.num_eval, seed=args.seed, test_fraction=task.test_fraction)
@@ -176,6 +187,7 @@ def multiturn_plan(args):
         wrap_sandbox=lambda sandbox: CellBudgetSandbox(sandbox, task.max_cell_chars),
         run_kwargs={
             "reward_funcs": [boxed_accuracy_and_recovery],
+            "eval_metrics": multiturn_eval_metrics,
             "max_tool_calls": task.max_tool_calls,
             "max_interpreter_output_chars": task.max_interpreter_output_chars,
         },

@@ -1,0 +1,137 @@
+"""What every quickstart task shares: the run's settings, the GRPO config both runs train with, and a task's plan.
+
+A task module (`arithmetic`, `multiturn`) builds a [`TaskPlan`] from [`QuickstartArguments`]; the runner
+(`retool_trl.quickstart.runner`) trains and evaluates whatever plan it is given. Task modules import this one and
+never the runner, so imports run one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TASKS = ("arithmetic", "multiturn")
+
+# The two runs differ only in whether code is executed.
+RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
+
+
+@dataclass
+class QuickstartArguments:
+    """Settings of `retool-trl quickstart`: GRPO with and without the interpreter from the same checkpoint.
+
+    The defaults are sized for 2 CPU cores: about 3 minutes in all, under 1 GB of memory. With `task="multiturn"`,
+    fields left unset take that task's defaults (`retool_trl.quickstart.multiturn.MULTITURN_DEFAULTS`).
+
+    Args:
+        output_dir (`str`): Run folder (`summary.json`, `quickstart.png`, `tool_rl/`, `text_rl/`).
+        task (`str`): `arithmetic` (one code call per answer) or `multiturn` (dependent cells under a per-cell
+            length budget, and recovery from a failing cell; see `retool_trl.quickstart.multiturn`).
+        model (`str`, *optional*): Checkpoint to start from; the shipped quickstart model by default.
+        max_steps (`int`): GRPO steps of each run.
+        prompts_per_step (`int`): Problems per GRPO step.
+        num_generations (`int`): Samples per problem (GRPO group size).
+        learning_rate (`float`): GRPO learning rate (constant).
+        beta (`float`): KL coefficient to the starting model. Without it the tiny model's copying of short numbers
+            (e.g. two-digit remainders into `\\boxed{}`) degrades while the policy shifts towards calling code.
+        temperature (`float`): Sampling temperature of training and evaluation.
+        num_train (`int`): Training problems.
+        num_eval (`int`): Held-out problems evaluated before and after each run (one sample each).
+        max_completion_length (`int`): Completion budget in tokens, interpreter tokens included.
+        seed (`int`): Seed of data, sampling and training.
+        threads (`int`): torch CPU threads; 0 keeps torch's default. One thread is several times faster than two
+            for a model this small on a machine whose cores are busy (threads spin waiting for each other).
+    """
+
+    output_dir: str = field(default="retool_quickstart", metadata={"help": "Run folder."})
+    task: str = field(default="arithmetic", metadata={"help": "Task: 'arithmetic' or 'multiturn'."})
+    model: str | None = field(default=None, metadata={"help": "Starting checkpoint (default: the shipped model)."})
+    max_steps: int = field(default=40, metadata={"help": "GRPO steps of each run."})
+    prompts_per_step: int = field(default=8, metadata={"help": "Problems per GRPO step."})
+    num_generations: int = field(default=8, metadata={"help": "Samples per problem (GRPO group size)."})
+    learning_rate: float = field(default=3e-4, metadata={"help": "GRPO learning rate (constant)."})
+    beta: float = field(default=0.2, metadata={"help": "KL coefficient to the starting model."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (training and evaluation)."})
+    num_train: int = field(default=512, metadata={"help": "Training problems."})
+    num_eval: int = field(default=256, metadata={"help": "Held-out problems evaluated before and after."})
+    max_completion_length: int = field(default=64, metadata={"help": "Completion budget in tokens."})
+    seed: int = field(default=0, metadata={"help": "Seed of data, sampling and training."})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)."})
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}.")
+        for name in ("max_steps", "prompts_per_step", "num_eval", "max_completion_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 (GRPO compares samples of a group), got {self.num_generations}."
+            )
+        if self.num_train < self.prompts_per_step:
+            raise ValueError(f"num_train ({self.num_train}) must be >= prompts_per_step ({self.prompts_per_step}).")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (the quickstart samples), got {self.temperature}.")
+
+
+def rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_tool_calls: int = 2, **overrides):
+    """The `ReToolConfig` of one quickstart run.
+
+    Args:
+        args ([`QuickstartArguments`]): The run's settings.
+        run_dir (`Path`): The run's output folder.
+        with_tools (`bool`): Whether code is executed (`False` sets `max_tool_calls=0`).
+        max_tool_calls (`int`): Calls per completion when `with_tools` (2 for arithmetic: one call suffices, a
+            second is tolerated; the multi-turn task passes its own).
+        overrides: Other `ReToolConfig` fields, applied last.
+    """
+    from ..config import ReToolConfig
+
+    settings = dict(
+        output_dir=str(run_dir),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        num_generations=args.num_generations,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        beta=args.beta,
+        max_completion_length=args.max_completion_length,
+        max_tool_calls=max_tool_calls if with_tools else 0,
+        max_interpreter_output_chars=64,
+        system_prompt="none",  # the model was cold-started on plain prompts
+        sandbox_workers=2,
+        logging_steps=1,
+        disable_tqdm=False,  # the progress bar carries the compact log (CompactProgressCallback)
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+    )
+    return ReToolConfig(**{**settings, **overrides})
+
+
+@dataclass
+class TaskPlan:
+    """What a quickstart task contributes to the shared run.
+
+    Args:
+        task: The task's description (a dataclass; written to `summary.json`).
+        model (`str`): Starting checkpoint.
+        splits: `{"train": Dataset, "test": Dataset}`.
+        panels (`tuple`): Plot panels (`retool_trl.plotting.plot_comparison`).
+        table (`Callable[[dict], str]`): The console table of the summary.
+        wrap_sandbox (`Callable`, *optional*): Wraps the sandbox every run and evaluation uses.
+        run_kwargs (`dict`): Extra `train_run` arguments (reward functions, `eval_metrics`, `ReToolConfig` fields).
+    """
+
+    task: object
+    model: str
+    splits: object
+    panels: tuple
+    table: object
+    wrap_sandbox: object = None
+    run_kwargs: dict = field(default_factory=dict)

@@ -1,0 +1,238 @@
+"""The quickstart run: from a task's plan, GRPO with and without the interpreter, evaluated before and after.
+
+`run_quickstart` looks the task up in `PLANS` (its plan and defaults), starts one sandbox, trains and evaluates both
+runs with `train_run`, and writes the summary and plot; `main` is `retool-trl quickstart`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from ..plotting import plot_comparison
+from .arithmetic import arithmetic_plan
+from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
+from .plan import RUNS, TASKS, QuickstartArguments, rl_config
+
+# Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
+# sets none.
+PLANS = {"arithmetic": (arithmetic_plan, {}), "multiturn": (multiturn_plan, MULTITURN_DEFAULTS)}
+
+
+def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, eval_metrics=None) -> dict:
+    """Held-out accuracy, code ratio and length at the sampling temperature (plus what `eval_metrics(report)`
+    returns); the completions are written to `RUN/NAME_samples.jsonl` (with `NAME.json` and `NAME.md`) for
+    inspection."""
+    from transformers import set_seed
+
+    from ..evaluation import evaluate, write_report
+
+    set_seed(seed)
+    model.eval()
+    report = evaluate(model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox)
+    write_report(report, config.output_dir, name)
+    m = report.metrics
+    metrics = {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
+    if eval_metrics is not None:
+        metrics.update(eval_metrics(report))
+    return metrics
+
+
+class CompactProgressCallback(ProgressCallback):
+    """Replaces the console's log dicts with a few numbers on the progress bar, and keeps every log in a file.
+
+    Transformers' `ProgressCallback` writes each log dict (about 40 keys) above the bar at every logging step, which
+    buries the bar. This one shows reward, accuracy, code ratio and calls per completion (plus the recovery rate when
+    logged) as the bar's postfix, and appends each full log, with its step, to `log_path` (JSON lines).
+
+    Args:
+        log_path (`str` or `Path`): The JSON-lines file (rewritten when training begins).
+    """
+
+    # (label, logged key, format); accuracy comes from the mean +1/-1 reward of `boxed_accuracy`.
+    SHOWN = (
+        ("reward", "reward", "{:+.2f}"),
+        ("acc", "rewards/{accuracy}/mean", "{:.0%}"),
+        ("code", "retool/code_ratio", "{:.0%}"),
+        ("calls", "retool/calls_per_completion", "{:.1f}"),
+        ("recovery", "retool/recovery_rate", "{:.0%}"),
+    )
+
+    def __init__(self, log_path: str | Path):
+        super().__init__()
+        self.log_path = Path(log_path)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if state.is_world_process_zero:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_text("")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        with self.log_path.open("a") as handle:
+            handle.write(json.dumps({"step": state.global_step, **logs}, default=str) + "\n")
+        line = self.summary(logs)
+        if self.training_bar is not None and line:  # the final log (runtime, mean loss) keeps the last line shown
+            self.training_bar.set_postfix_str(line, refresh=False)
+
+    @classmethod
+    def summary(cls, logs: dict) -> str:
+        """The compact line for one log dict, e.g. `reward +0.50 | acc 75% | code 98% | calls 2.1`."""
+        accuracy = next((k.split("/")[1] for k in logs if k.startswith("rewards/") and k.endswith("/mean")), "")
+        parts = []
+        for label, key, fmt in cls.SHOWN:
+            value = logs.get(key.format(accuracy=accuracy))
+            if isinstance(value, (int, float)):
+                parts.append(f"{label} {fmt.format((value + 1) / 2 if label == 'acc' else value)}")
+        return " | ".join(parts)
+
+
+def train_run(
+    name: str,
+    args: QuickstartArguments,
+    start: str,
+    tokenizer,
+    splits,
+    sandbox,
+    out: Path,
+    with_tools=None,
+    reward_funcs=None,
+    eval_metrics=None,
+    **overrides,
+) -> dict:
+    """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
+
+    `with_tools` defaults to `name == "tool_rl"`; `reward_funcs` to the trainer's (`boxed_accuracy`);
+    `eval_metrics(report)` adds a task's metrics to each evaluation; `overrides` are extra `ReToolConfig` fields
+    (ablations, the multi-turn task's limits).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..trainer import ReToolTrainer
+
+    run_dir = out / name
+    config = rl_config(args, run_dir, with_tools=name == "tool_rl" if with_tools is None else with_tools, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(start)
+    print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==")
+    before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", eval_metrics)
+    started = time.perf_counter()
+    trainer = ReToolTrainer(
+        model, reward_funcs, args=config, train_dataset=splits["train"], processing_class=tokenizer, sandbox=sandbox
+    )
+    for noisy in (ProgressCallback, PrinterCallback):  # both print every log dict
+        trainer.remove_callback(noisy)
+    trainer.add_callback(CompactProgressCallback(run_dir / "log.jsonl"))
+    trainer.train()
+    train_s = time.perf_counter() - started
+    trainer.save_model(str(run_dir / "model"))
+    trainer.save_state()  # trainer_state.json with TRL's log_history
+    after = _evaluate(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_after", eval_metrics)
+    return {
+        **{f"{k}_before": v for k, v in before.items()},
+        **{f"{k}_after": v for k, v in after.items()},
+        "train_s": round(train_s, 1),
+        "steps": trainer.state.global_step,
+        "log_history": trainer.state.log_history,
+    }
+
+
+def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> dict:
+    """Runs the CPU quickstart and writes its run folder.
+
+    From the shipped checkpoint, trains GRPO with the interpreter (`tool_rl`) and, with the same budget, without it
+    (`text_rl`, `max_tool_calls=0`), evaluating each on held-out problems before and after at the sampling
+    temperature. Writes `summary.json`, `quickstart.png` and, per run, `RUN/model/`, `RUN/trainer_state.json` (TRL's
+    `log_history`), `RUN/log.jsonl` (every log as it was written) and `RUN/eval_{before,after}{.json,.md,
+    _samples.jsonl}`.
+
+    Args:
+        output_dir (`str` or `Path`): Run folder.
+        kwargs: Other [`QuickstartArguments`] fields; unset ones take the task's defaults (`PLANS`; for
+            `task="multiturn"`, `MULTITURN_DEFAULTS`).
+
+    Returns:
+        The summary (as written to `summary.json`).
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..sandbox.factory import sandbox_from_config
+
+    make_plan, defaults = PLANS.get(kwargs.get("task", "arithmetic"), PLANS["arithmetic"])
+    kwargs = {**defaults, **kwargs}
+    args = QuickstartArguments(output_dir=str(output_dir), **kwargs)
+    started = time.perf_counter()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = make_plan(args)
+    start = plan.model
+    # Left padding, as TRL's GRPOTrainer loads tokenizers for generation.
+    tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
+    # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
+    sandbox = sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
+    sandbox = plan.wrap_sandbox(sandbox) if plan.wrap_sandbox else sandbox
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        results = {
+            name: train_run(name, args, start, tokenizer, plan.splits, sandbox, out, **plan.run_kwargs)
+            for name in RUNS
+        }
+    finally:
+        torch.set_num_threads(threads)
+        sandbox.close()
+    histories = {name: results[name].pop("log_history") for name in RUNS}
+    plot = plot_comparison(histories, out / "quickstart.png", evals=results, panels=plan.panels)
+    summary = {
+        **results,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "model": start,
+        "task": asdict(plan.task),
+        "settings": asdict(args),
+        "plot": plot.name,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n" + plan.table(summary))
+    print(f"\nwall time {summary['wall_s']:.0f} s; wrote {out / 'summary.json'} and {plot}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`retool-trl quickstart [--output-dir DIR] [--max-steps N] ...`: every [`QuickstartArguments`] field."""
+    from ..errors import UserError
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line, no usage block (the CLI prints it)
+            raise UserError(f"{message} (see `retool-trl quickstart --help`)")
+
+    parser = _Parser(prog="retool-trl quickstart", description=QuickstartArguments.__doc__.split("\n\n")[0])
+    for f in fields(QuickstartArguments):
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        default = f"{f.default}" + "".join(
+            f"; {task}: {values[f.name]}" for task, (_, values) in PLANS.items() if f.name in values
+        )
+        # No argparse defaults: an unset option takes the task's default (see `run_quickstart`).
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            choices=TASKS if f.name == "task" else None,
+            help=f"{f.metadata['help']} (default: {default})",
+        )
+    options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    try:
+        defaults = PLANS.get(options.get("task", "arithmetic"), PLANS["arithmetic"])[1]
+        QuickstartArguments(**{**defaults, **options})  # bad values are reported before any work starts
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if options.get("model") is not None and not (Path(options["model"]) / "config.json").is_file():
+        raise UserError(f"--model {options['model']!r} is not a model folder (no config.json); pass a checkpoint.")
+    run_quickstart(**options)
+    return 0
