@@ -155,7 +155,15 @@ def compute_metrics(records: Sequence[dict], num_samples: int) -> dict[str, floa
 
 
 def evaluate(
-    model, tokenizer, dataset, args, num_samples: int = 1, batch_size: int = 16, sandbox=None, progress: bool = True
+    model,
+    tokenizer,
+    dataset,
+    args,
+    num_samples: int = 1,
+    batch_size: int = 16,
+    sandbox=None,
+    progress: bool = True,
+    desc: str = "Evaluating",
 ) -> EvalReport:
     """Samples `num_samples` completions per problem with the interpreter and scores them.
 
@@ -168,6 +176,7 @@ def evaluate(
         batch_size (`int`): Completions generated together.
         sandbox (*optional*): Sandbox to reuse; by default one is built from `args` and closed at the end.
         progress (`bool`): Show a tqdm progress bar.
+        desc (`str`): The bar's label: what is evaluated (e.g. `"tool_rl before"`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -181,7 +190,7 @@ def evaluate(
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else sandbox
     records: list[dict] = []
-    bar = tqdm(total=len(jobs), desc="Evaluating", unit="completion", disable=not progress)
+    bar = tqdm(total=len(jobs), desc=desc, unit="completion", disable=not progress)
     try:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]

@@ -95,6 +95,8 @@ def boxed_accuracy(
     if log_metric is not None and num_tool_calls is not None:
         with_code = [c for c, n in zip(correct, num_tool_calls) if n > 0]
         without_code = [c for c, n in zip(correct, num_tool_calls) if n == 0]
+        if correct:  # the fraction correct, whatever the reward values (the progress line and plots show it)
+            log_metric("retool/accuracy", sum(correct) / len(correct))
         if with_code:
             log_metric("retool/accuracy_with_code", sum(with_code) / len(with_code))
         if without_code:

@@ -88,7 +88,11 @@ def test_boxed_accuracy_logs_accuracy_with_and_without_code():
         num_tool_calls=[1, 1, 0],
         log_metric=logged.__setitem__,
     )
-    assert logged == {"retool/accuracy_with_code": 0.5, "retool/accuracy_without_code": 1.0}
+    assert logged == {
+        "retool/accuracy": 2 / 3,
+        "retool/accuracy_with_code": 0.5,
+        "retool/accuracy_without_code": 1.0,
+    }
 
 
 def test_final_answer_of_truncated_code_is_none():

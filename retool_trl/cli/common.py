@@ -15,6 +15,16 @@ PROMPT_FORMAT_HELP = (
     "data are conversations or the tokenizer has a chat template, plain text otherwise."
 )
 PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
+CONSOLE_CHOICES = ["compact", "dicts"]
+
+
+def set_console(trainer, console: str) -> None:
+    """The training console: `compact` replaces TRL's log dicts with [`~retool_trl.console.CompactProgressCallback`]
+    (every log also in `OUTPUT_DIR/log.jsonl`); `dicts` keeps transformers' own callbacks."""
+    if console == "compact":
+        from ..console import use_compact_console
+
+        use_compact_console(trainer, os.path.join(trainer.args.output_dir, "log.jsonl"))
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:

@@ -13,7 +13,17 @@ from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError, one_line
 from ..prompts import SYSTEM_PROMPTS, Tags
-from .common import PROG, PROMPT_FORMAT_CHOICES, finish, logger, model_init_kwargs, resolve_model_path, resume_value
+from .common import (
+    CONSOLE_CHOICES,
+    PROG,
+    PROMPT_FORMAT_CHOICES,
+    finish,
+    logger,
+    model_init_kwargs,
+    resolve_model_path,
+    resume_value,
+    set_console,
+)
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
 
@@ -53,6 +63,14 @@ class SFTScriptArguments(ScriptArguments):
     prompt_column: str | None = field(default=None, metadata={"help": "Column with the prompts."})
     completion_column: str | None = field(default=None, metadata={"help": "Column with the completions."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N traces."})
+    console: str = field(
+        default="compact",
+        metadata={
+            "help": "Console output while training: 'compact' (a progress line with the key numbers; every log goes "
+            "to OUTPUT_DIR/log.jsonl) or 'dicts' (TRL's full log dict at every logging step).",
+            "choices": CONSOLE_CHOICES,
+        },
+    )
 
 
 SFT_TRL_OPTIONS = (
@@ -88,6 +106,7 @@ def sft_help() -> str:
                 ],
             ),
             ("text format", ["system_prompt", "code_start", "code_end", "interpreter_start", "interpreter_end"]),
+            ("console", ["console"]),
         ],
         [SFTScriptArguments, ModelConfig],
         overrides={
@@ -170,7 +189,7 @@ def build_sft(argv: Sequence[str]):
         eval_dataset = with_trace_system_prompt(traces(script_args.dataset_test_split or "test", None)[0], system)
     sft_args.model_init_kwargs = model_init_kwargs(model_args, sft_args.model_init_kwargs)
     try:
-        return build_sft_trainer(
+        trainer = build_sft_trainer(
             model_path,
             tokenizer,
             train,
@@ -183,6 +202,8 @@ def build_sft(argv: Sequence[str]):
         if isinstance(error, UserError) or "trace" in str(error) or "chat template" in str(error):
             raise UserError(one_line(error)) from None  # retool_trl.sft's messages about malformed traces
         raise
+    set_console(trainer, script_args.console)
+    return trainer
 
 
 def main(argv: Sequence[str]) -> int:

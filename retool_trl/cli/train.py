@@ -14,6 +14,7 @@ from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError
 from .common import (
+    CONSOLE_CHOICES,
     PROG,
     PROMPT_FORMAT_CHOICES,
     PROMPT_FORMAT_HELP,
@@ -23,6 +24,7 @@ from .common import (
     report_prompt_format,
     resolve_model_path,
     resume_value,
+    set_console,
 )
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
@@ -88,6 +90,14 @@ class TrainScriptArguments(ScriptArguments):
     pad_token: str | None = field(
         default=None, metadata={"help": "Pad token to set when the tokenizer has none (e.g. its EOS token)."}
     )
+    console: str = field(
+        default="compact",
+        metadata={
+            "help": "Console output while training: 'compact' (a progress line with the key numbers; every log goes "
+            "to OUTPUT_DIR/log.jsonl) or 'dicts' (TRL's full log dict at every logging step).",
+            "choices": CONSOLE_CHOICES,
+        },
+    )
 
 
 MODEL_HELP = (
@@ -106,17 +116,19 @@ def train_help() -> str:
 
     from ..options import OPTION_GROUPS, ReToolOptions
 
-    data = [f.name for f in dataclasses.fields(TrainScriptArguments) if f.name not in _HIDDEN_SCRIPT_FIELDS]
+    hidden = (*_HIDDEN_SCRIPT_FIELDS, "reward_funcs", "console")
+    data = [f.name for f in dataclasses.fields(TrainScriptArguments) if f.name not in hidden]
     return render_help(
         f"{PROG} train",
         "GRPO with a Python interpreter in the rollout (ReToolTrainer). Options come from --config FILE.yaml (see\n"
         "configs/) and the command line, which wins. Example: retool-trl train --config configs/quickstart.yaml",
         [
-            ("model and data", ["model_name_or_path", *[n for n in data if n != "reward_funcs"]]),
+            ("model and data", ["model_name_or_path", *data]),
             ("rollout", OPTION_GROUPS["rollout"]),
             ("sandbox", OPTION_GROUPS["sandbox"]),
             ("rewards", ["reward_funcs", *OPTION_GROUPS["rewards"]]),
             ("stability (off by default, as in the paper, except drop_infra_failures)", OPTION_GROUPS["stability"]),
+            ("console", ["console"]),
         ],
         [TrainScriptArguments, ReToolOptions, ModelConfig],
         overrides={
@@ -209,7 +221,7 @@ def build_train(argv: Sequence[str]):
     from ..trainer import ReToolTrainer
 
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args.model_init_kwargs)
-    return ReToolTrainer(
+    trainer = ReToolTrainer(
         model=model_path,
         reward_funcs=reward_funcs,
         args=training_args,
@@ -219,6 +231,8 @@ def build_train(argv: Sequence[str]):
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    set_console(trainer, script_args.console)
+    return trainer
 
 
 def main(argv: Sequence[str]) -> int:

@@ -9,6 +9,8 @@
 Imports run one way: `runner` -> the tasks -> `plan`.
 """
 
+from ..console import CompactProgressCallback
+
 # The quickstart models are built with these (scripts/build_quickstart_model.py, scripts/build_multiturn_model.py).
 from ..tiny import build_char_tokenizer, build_tiny_model
 from .arithmetic import QUICKSTART_MODEL_DIR, QuickstartTask, arithmetic_plan, model_path
@@ -23,7 +25,7 @@ from .multiturn import (
     recovery_rate,
 )
 from .plan import RUNS, TASKS, QuickstartArguments, TaskPlan, rl_config
-from .runner import PLANS, CompactProgressCallback, main, run_quickstart, train_run
+from .runner import PLANS, main, run_quickstart, train_run
 
 __all__ = [
     "MULTITURN_DEFAULTS",

@@ -12,8 +12,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
+from ..console import use_compact_console
 from ..plotting import plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
@@ -34,64 +33,15 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
 
     set_seed(seed)
     model.eval()
-    report = evaluate(model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox)
+    run, side = Path(config.output_dir).name, name.replace("eval_", "")
+    desc = f"{run} {side}: held-out"  # e.g. "tool_rl before: held-out"
+    report = evaluate(model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox, desc=desc)
     write_report(report, config.output_dir, name)
     m = report.metrics
     metrics = {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
     if eval_metrics is not None:
         metrics.update(eval_metrics(report))
     return metrics
-
-
-class CompactProgressCallback(ProgressCallback):
-    """Replaces the console's log dicts with a few numbers on the progress bar, and keeps every log in a file.
-
-    Transformers' `ProgressCallback` writes each log dict (about 40 keys) above the bar at every logging step, which
-    buries the bar. This one shows reward, accuracy, code ratio and calls per completion (plus the recovery rate when
-    logged) as the bar's postfix, and appends each full log, with its step, to `log_path` (JSON lines).
-
-    Args:
-        log_path (`str` or `Path`): The JSON-lines file (rewritten when training begins).
-    """
-
-    # (label, logged key, format); accuracy comes from the mean +1/-1 reward of `boxed_accuracy`.
-    SHOWN = (
-        ("reward", "reward", "{:+.2f}"),
-        ("acc", "rewards/{accuracy}/mean", "{:.0%}"),
-        ("code", "retool/code_ratio", "{:.0%}"),
-        ("calls", "retool/calls_per_completion", "{:.1f}"),
-        ("recovery", "retool/recovery_rate", "{:.0%}"),
-    )
-
-    def __init__(self, log_path: str | Path):
-        super().__init__()
-        self.log_path = Path(log_path)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        if state.is_world_process_zero:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self.log_path.write_text("")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        with self.log_path.open("a") as handle:
-            handle.write(json.dumps({"step": state.global_step, **logs}, default=str) + "\n")
-        line = self.summary(logs)
-        if self.training_bar is not None and line:  # the final log (runtime, mean loss) keeps the last line shown
-            self.training_bar.set_postfix_str(line, refresh=False)
-
-    @classmethod
-    def summary(cls, logs: dict) -> str:
-        """The compact line for one log dict, e.g. `reward +0.50 | acc 75% | code 98% | calls 2.1`."""
-        accuracy = next((k.split("/")[1] for k in logs if k.startswith("rewards/") and k.endswith("/mean")), "")
-        parts = []
-        for label, key, fmt in cls.SHOWN:
-            value = logs.get(key.format(accuracy=accuracy))
-            if isinstance(value, (int, float)):
-                parts.append(f"{label} {fmt.format((value + 1) / 2 if label == 'acc' else value)}")
-        return " | ".join(parts)
 
 
 def train_run(
@@ -120,15 +70,13 @@ def train_run(
     run_dir = out / name
     config = rl_config(args, run_dir, with_tools=name == "tool_rl" if with_tools is None else with_tools, **overrides)
     model = AutoModelForCausalLM.from_pretrained(start)
-    print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==")
+    print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==", flush=True)
     before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", eval_metrics)
     started = time.perf_counter()
     trainer = ReToolTrainer(
         model, reward_funcs, args=config, train_dataset=splits["train"], processing_class=tokenizer, sandbox=sandbox
     )
-    for noisy in (ProgressCallback, PrinterCallback):  # both print every log dict
-        trainer.remove_callback(noisy)
-    trainer.add_callback(CompactProgressCallback(run_dir / "log.jsonl"))
+    use_compact_console(trainer, run_dir / "log.jsonl")
     trainer.train()
     train_s = time.perf_counter() - started
     trainer.save_model(str(run_dir / "model"))
@@ -226,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             choices=TASKS if f.name == "task" else None,
             help=f"{f.metadata['help']} (default: {default})",
         )
+    # `--max_steps` as `retool-trl train` spells its options, and `--max-steps` as argparse's: both are accepted.
+    names = {f"--{f.name}": f"--{f.name.replace('_', '-')}" for f in fields(QuickstartArguments)}
+    argv = [names.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]) :] for a in (argv or [])]
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     try:
         defaults = PLANS.get(options.get("task", "arithmetic"), PLANS["arithmetic"])[1]
