@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 # Lazy exports: `import retool_trl.sandbox` (used inside sandbox workers) must not pull in torch and TRL.
-_EXPORTS = {"ReToolConfig": ".config", "ReToolTrainer": ".trainer"}
+_EXPORTS = {"ReToolConfig": ".config", "ReToolTrainer": ".trainer", "quickstart_model_path": ".names"}
 
 if TYPE_CHECKING:
     from .config import ReToolConfig
+    from .names import quickstart_model_path
     from .trainer import ReToolTrainer
 
 
@@ -19,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ReToolConfig", "ReToolTrainer", "__version__"]
+__all__ = ["ReToolConfig", "ReToolTrainer", "__version__", "quickstart_model_path"]

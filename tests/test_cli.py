@@ -129,7 +129,7 @@ def test_usage_and_help(capsys):
     assert "--reward_funcs" in out and "--max_tool_calls" in out and "--lora_r" in out
 
 
-def test_train_lora_two_steps(work, tmp_path, monkeypatch):
+def test_train_lora_two_steps(work, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(work)  # the dotted reward path is imported from the working directory, as in TRL
     seen = spy_on(monkeypatch, cli_train, "build_train")
     cfg = train_config(
@@ -150,13 +150,24 @@ def test_train_lora_two_steps(work, tmp_path, monkeypatch):
     assert state["global_step"] == 2
     logged = {k for entry in state["log_history"] for k in entry}
     assert {"rewards/ramp/mean", "rewards/boxed_accuracy/mean", "retool/code_ratio"} <= logged
+    # The console (stderr is not a terminal here, as when output goes to a file): one compact line per logging step
+    # in order, no log dicts; every log in OUTPUT_DIR/log.jsonl.
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("step ")]
+    assert [line.split(" |")[0].split()[1] for line in lines] == ["1/2", "2/2"], captured.err
+    assert all("| reward " in line and "| acc " in line and "| code " in line for line in lines), lines
+    assert "'learning_rate'" not in captured.err + captured.out
+    logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logs if "reward" in entry] == [1, 2]
     assert main(["plot", "--run", str(out)]) == 0
     assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch):
+def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch, capsys):
     seen = spy_on(monkeypatch, cli_sft, "build_sft")
     assert main(["sft", "--config", sft_config(work, tmp_path)]) == 0
+    steps = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("| loss " in line for line in steps), steps
     trainer = seen["trainer"]
     tok = trainer.processing_class
     raw = [json.loads(line) for line in (work / "traces.jsonl").read_text().splitlines()]
@@ -169,6 +180,22 @@ def test_sft_masks_prompt_and_interpreter(work, tmp_path, monkeypatch):
         assert tok.decode(ids[labels == -100]) == row["prompt"] + "".join(blocks)
     out = tmp_path / "sft"
     assert (out / "model.safetensors").is_file() and (out / "trainer_state.json").is_file()
+
+
+def test_console_dicts_keeps_trls_log_dicts(work, tmp_path):
+    """`console: dicts` is the explicit way back to transformers' own console (a log dict per logging step)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from retool_trl.console import CompactProgressCallback
+
+    def console_callbacks(*extra):
+        trainer = cli_train.build_train(["--config", train_config(work, tmp_path), *extra])
+        kinds = {type(c) for c in trainer.callback_handler.callbacks}
+        return kinds & {CompactProgressCallback, ProgressCallback, PrinterCallback}
+
+    assert console_callbacks() == {CompactProgressCallback}
+    assert console_callbacks("--console", "dicts") & {ProgressCallback, PrinterCallback}
+    assert CompactProgressCallback not in console_callbacks("--console", "dicts")
 
 
 def test_sft_on_retool_sft_messages(work, tmp_path):

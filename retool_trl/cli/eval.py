@@ -142,6 +142,7 @@ def load_eval_model(path: str, dtype: str):
 
 def main(argv: Sequence[str]) -> int:
     """`retool-trl eval --model PATH --dataset NAME [--num-samples K] [--key value ...]`."""
+    from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
     from ..prompts import Tags
     from ..tokenizer_checks import check_tokenizer, load_tokenizer
@@ -150,6 +151,7 @@ def main(argv: Sequence[str]) -> int:
     if eval_args.num_samples < 1 or eval_args.batch_size < 1:
         raise UserError("num_samples and batch_size must be >= 1.")
     model_path = resolve_model_path(eval_args.model, "model")
+    check_dataset_name(eval_args.dataset, "--dataset")  # typos fail here, before any hub call
     tokenizer = load_tokenizer(model_path, None, config.trust_remote_code)
     check_tokenizer(
         tokenizer,

@@ -151,7 +151,9 @@ def build_sft(argv: Sequence[str]):
     """Everything `retool-trl sft` does before `train()`: returns the `SFTTrainer` (user errors raised first)."""
     from trl import get_peft_config
 
+    from ..data.adapters import is_local_dataset
     from ..data.loading import load_traces, with_trace_system_prompt
+    from ..names import check_hub_id
     from ..prompts import resolve_system_prompt
     from ..sft import build_sft_trainer
     from ..tokenizer_checks import check_tokenizer, load_tokenizer
@@ -165,6 +167,8 @@ def build_sft(argv: Sequence[str]):
     if sft_args.packing:
         raise UserError("packing: true is not supported for interpreter-masked traces; set packing: false.")
     resume_value(sft_args)  # checked now, before anything is loaded
+    if not is_local_dataset(script_args.dataset_name):
+        check_hub_id(script_args.dataset_name, "dataset", "dataset_name")  # typos fail here, before any hub call
     tags = Tags.from_config(script_args)
     tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
 

@@ -153,6 +153,7 @@ def build_train(argv: Sequence[str]):
     """Everything `retool-trl train` does before `train()`: returns the `ReToolTrainer` (user errors raised first)."""
     from trl import get_peft_config, get_quantization_config
 
+    from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
     from ..prompts import Tags
     from ..reward_registry import check_reward_kwargs, resolve_reward_funcs
@@ -166,6 +167,9 @@ def build_train(argv: Sequence[str]):
         raise UserError("dataset_streaming is not supported by retool-trl train; set it to false.")
     reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     resume_value(training_args)  # checked now, before anything is loaded
+    check_dataset_name(script_args.dataset_name, "dataset_name")  # typos fail here, before any hub call
+    if script_args.eval_dataset_name:
+        check_dataset_name(script_args.eval_dataset_name, "eval_dataset_name")
 
     tokenizer = load_tokenizer(model_path, model_args.model_revision, training_args.trust_remote_code)
     tags = vars(Tags.from_config(training_args))
