@@ -1,79 +1,296 @@
-"""Plots of a training run's logs (`trainer_state.json` -> `log_history`) as a PNG grid, one panel per metric.
+"""Plots of training runs (TRL's `log_history`) as PNG: the panels a ReTool user watches, readable without a README.
 
-Training values are drawn as lines and evaluation values (`eval_<key>`) as markers in the same panel. Only logged
-keys are drawn, so the same call works for GRPO runs (reward, accuracy, `retool/*` metrics) and SFT runs (loss,
-token accuracy).
+Each panel has a title, a y-axis label with its unit, and one line per run (and per series: accuracy with and without
+code, error and timeout rates). Noisy per-step values (a rate over a few completions swings by tens of points) are
+drawn faint, with a rolling mean over them; panels whose values never change are left out; evaluation values
+(`eval_<key>`) are markers. The quickstart's held-out accuracy before and after training is drawn as two labelled
+markers, not as a line (two points are not a trend).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-# Default panels, in order; missing keys are skipped. `rewards/*/mean` keys are added after `reward`.
-DEFAULT_METRICS = (
-    "reward",
-    "retool/accuracy_with_code",
-    "retool/accuracy_without_code",
-    "retool/code_ratio",
-    "retool/calls_per_completion",
-    "completions/mean_length",
-    "retool/interpreter_token_fraction",
-    "retool/error_rate",
-    "retool/timeout_rate",
-    "loss",
-    "kl",
-    "entropy",
-    "mean_token_accuracy",
-    "learning_rate",
+from .run_logs import accuracy_of, find_runs, load_log_history, read_run_info, series
+
+# Re-exported: `load_log_history` lived here first.
+__all__ = [
+    "ARITHMETIC_PANELS",
+    "Panel",
+    "RUN_PANELS",
+    "load_log_history",
+    "plot_comparison",
+    "plot_log_history",
+    "plot_run",
+    "plot_runs",
+    "save_figure",
+]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: a title, a y-axis label (with the unit), and its series.
+
+    Args:
+        title (`str`): What the panel shows.
+        ylabel (`str`): The y axis, with its unit.
+        lines (`tuple`): `(label, logged key, transform)` per series; with key `None`, `transform(log entry)` gives
+            the value (e.g. `accuracy_of`).
+        percent (`bool`): Values are fractions, shown in %.
+        held_out (`str`, *optional*): The quickstart summary's metric drawn as before/after markers.
+        sft (`bool`): Drawn only for runs without a reward (SFT); a GRPO loss says little.
+    """
+
+    title: str
+    ylabel: str
+    lines: tuple
+    percent: bool = False
+    held_out: str | None = None
+    sft: bool = False
+
+
+def _line(label: str, key: str | None, transform: Callable | None = None) -> tuple:
+    return (label, key, transform)
+
+
+# The panels of `retool-trl plot`, in order; a panel is drawn when one of its keys was logged and changed.
+RUN_PANELS = (
+    Panel("reward", "reward per completion (mean)", (_line("", "reward"),)),
+    Panel(
+        "accuracy",
+        "correct completions (%)",
+        (
+            _line("all", None, accuracy_of),
+            _line("with code", "retool/accuracy_with_code"),
+            _line("without code", "retool/accuracy_without_code"),
+        ),
+        percent=True,
+        held_out="accuracy",
+    ),
+    Panel("code ratio", "completions that call code (%)", (_line("", "retool/code_ratio"),), True, "code_ratio"),
+    Panel(
+        "interpreter calls",
+        "calls per completion",
+        (_line("", "retool/calls_per_completion"),),
+        held_out="calls_per_completion",
+    ),
+    Panel(
+        "code errors and timeouts",
+        "code calls (%)",
+        (_line("error", "retool/error_rate"), _line("timeout", "retool/timeout_rate")),
+        percent=True,
+    ),
+    Panel(
+        "recovery from a failing cell",
+        "correct after a failing cell (%)",
+        (_line("", "retool/recovery_rate"),),
+        percent=True,
+        held_out="recovery_rate",
+    ),
+    Panel(
+        "completion length",
+        "tokens per completion",
+        (_line("all", "completions/mean_length"), _line("finished", "completions/mean_terminated_length")),
+        held_out="mean_length",
+    ),
+    Panel("interpreter output", "completion tokens (%)", (_line("", "retool/interpreter_token_fraction"),), True),
+    Panel("KL to the reference model", "KL (nats per token)", (_line("", "kl"),)),
+    Panel("entropy", "entropy (nats per token)", (_line("", "entropy"),)),
+    Panel("loss", "cross-entropy (nats per token)", (_line("", "loss"),), sft=True),
+    Panel("token accuracy", "next-token accuracy (%)", (_line("", "mean_token_accuracy"),), True),
+)
+
+# The quickstart's panels (one row); accuracy and calls get the held-out before/after markers.
+ARITHMETIC_PANELS = (
+    Panel("reward", "reward per completion (mean)", (_line("", "reward"),)),
+    Panel("accuracy", "correct completions (%)", (_line("train samples", None, accuracy_of),), True, "accuracy"),
+    Panel("code ratio", "completions that call code (%)", (_line("", "retool/code_ratio"),), True, "code_ratio"),
+    Panel("completion length", "tokens per completion", (_line("", "completions/mean_length"),), False, "mean_length"),
 )
 
 
-def load_log_history(run: str | Path) -> list[dict]:
-    """The `log_history` of a run: `run` is a `trainer_state.json`, a checkpoint folder, or an `output_dir` (its own
-    `trainer_state.json`, else the one of its latest `checkpoint-*`)."""
-    path = Path(run)
-    if path.is_dir():
-        candidates = [path / "trainer_state.json"]
-        checkpoints = sorted(
-            path.glob("checkpoint-*"),
-            key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1,
-        )
-        candidates += [c / "trainer_state.json" for c in reversed(checkpoints)]
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
-            raise FileNotFoundError(
-                f"no trainer_state.json in {str(path)!r} or its checkpoint-* folders: point --run at the output_dir "
-                "of a finished `retool-trl train`/`sft` run (or of a run with save_strategy set)."
+def _rolling(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (the first points average what there is)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _window(n: int) -> int:
+    """Points of the rolling mean: none for short runs, about a tenth of the run otherwise."""
+    return 1 if n < 15 else max(3, round(n / 10))
+
+
+def _panel_series(panel: Panel, history: Sequence[dict]) -> list[tuple[str, list, list]]:
+    return [(label, *series(history, key, transform)) for label, key, transform in panel.lines]
+
+
+def _changes(panel: Panel, histories: Mapping[str, Sequence[dict]]) -> bool:
+    values = [v for h in histories.values() for _, _, vs in _panel_series(panel, h) for v in vs]
+    return bool(values) and max(values) - min(values) > 1e-9
+
+
+def _reward_range(histories: Mapping[str, Sequence[dict]]) -> tuple[float, float] | None:
+    """ReTool's +1/-1 when `boxed_accuracy` is the only reward logged (and the means fit in it); `None` (no band)
+    when the range cannot be known from the logs."""
+    functions = {k.split("/")[1] for h in histories.values() for e in h for k in e if k.startswith("rewards/")}
+    means = [v for h in histories.values() for v in series(h, "reward")[1]]
+    if functions and functions <= {"boxed_accuracy", "boxed_accuracy_and_recovery"} and means:
+        if -1 <= min(means) and max(means) <= 1:
+            return -1.0, 1.0
+    return None
+
+
+def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int:
+    """Draws one panel; returns the widest rolling window it used (1: none)."""
+    styles, widest, annotated, held_out_span = ("-", "--", ":"), 1, set(), 0
+    for run, history in histories.items():
+        color = colors[run]
+        for (label, steps, values), style in zip(_panel_series(panel, history), styles):
+            if not values:
+                continue
+            name = " · ".join(part for part in (run if len(histories) > 1 else "", label) if part) or None
+            window = _window(len(values))
+            widest = max(widest, window)
+            shown = _rolling(values, window) if window > 1 else values
+            if window > 1:
+                ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(
+                steps, shown, style, color=color, linewidth=1.6, label=name, marker="o" if len(values) < 3 else None
             )
-        path = found
-    elif not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} does not exist.")
-    try:
-        return list(json.loads(path.read_text())["log_history"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{str(path)!r} is not a trainer_state.json with a log_history ({error}).") from None
+            key = panel.lines[0][1]
+            if key == "reward" and reward_range is not None:
+                _, std = series(history, "reward_std")
+                if len(std) == len(values):
+                    low = [max(m - s, reward_range[0]) for m, s in zip(values, std)]
+                    high = [min(m + s, reward_range[1]) for m, s in zip(values, std)]
+                    if window > 1:
+                        low, high = _rolling(low, window), _rolling(high, window)
+                    ax.fill_between(steps, low, high, color=color, alpha=0.12, linewidth=0)
+        for label, key, _ in panel.lines:
+            eval_steps, eval_values = series(history, f"eval_{key}") if key else ([], [])
+            if eval_values:
+                ax.plot(eval_steps, eval_values, "D", color=color, markersize=5, label=f"{run} eval {label}".strip())
+        summary = (evals or {}).get(run) or {}
+        if panel.held_out and summary.get(f"{panel.held_out}_before") is not None:
+            values = [summary.get(f"{panel.held_out}_{side}") for side in ("before", "after")]
+            span = max(ax.dataLim.height, max(values) - min(values), 1e-9) if None not in values else 1.0
+            last = max((e.get("step", 0) for e in history), default=0)
+            for x, side, marker in ((0, "before", "o"), (last, "after", "s")):
+                value = summary.get(f"{panel.held_out}_{side}")
+                if value is None:
+                    continue
+                ax.plot([x], [value], marker, color=color, markersize=7, markeredgecolor="black", zorder=5)
+                text = f"{value:.0%}" if panel.percent else f"{value:.1f}"
+                if any(where == x and shown == text for where, shown, _ in annotated):
+                    continue  # both runs start from the same checkpoint: one label is enough
+                # Another run's label close by at the same step: move this one away from it (up or down).
+                close = [v for where, _, v in annotated if where == x and abs(v - value) < 0.08 * span]
+                shift = 0 if not close else (10 if value >= close[0] else -10)
+                annotated.add((x, text, value))
+                # Outside the curves: left of the "before" marker, right of the "after" one.
+                ax.annotate(
+                    text,
+                    (x, value),
+                    textcoords="offset points",
+                    xytext=(-7 if side == "before" else 7, shift),
+                    ha="right" if side == "before" else "left",
+                    va="center",
+                    fontsize=8,
+                    color="black" if side == "before" and len(histories) > 1 else color,
+                    fontweight="bold",
+                )
+                held_out_span = max(held_out_span, last)
+    if held_out_span:  # room for the labels beside the markers
+        ax.set_xlim(-0.16 * held_out_span, 1.16 * held_out_span)
+    if reward_range is not None and panel.lines[0][1] == "reward":
+        pad = 0.05 * (reward_range[1] - reward_range[0])
+        ax.set_ylim(reward_range[0] - pad, reward_range[1] + pad)
+    if panel.percent:
+        from matplotlib.ticker import PercentFormatter
+
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_ylabel(panel.ylabel, fontsize=9)
+    ax.set_xlabel("training step")
+    ax.grid(alpha=0.3)
+    return widest
 
 
-def _series(log_history: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
-    steps, values = [], []
-    for entry in log_history:
-        value = entry.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            steps.append(entry.get("step", len(steps)))
-            values.append(float(value))
-    return steps, values
+def plot_runs(
+    histories: Mapping[str, Sequence[dict]],
+    output: str | Path,
+    panels: Sequence[Panel] = RUN_PANELS,
+    *,
+    evals: Mapping[str, dict] | None = None,
+    title: str | None = None,
+    footer: str | None = None,
+    ncols: int = 3,
+    keep_flat: bool = False,
+    reward_range: tuple[float, float] | None = None,
+) -> Path:
+    """Draws `panels` for one or more runs (one color per run) and saves a PNG.
+
+    Args:
+        histories (`dict[str, list[dict]]`): Run name -> TRL `log_history`.
+        output (`str` or `Path`): PNG path (parent folders are created).
+        panels (`list[Panel]`): Candidate panels; those with no logged value (or with constant values, unless
+            `keep_flat`) are left out.
+        evals (`dict[str, dict]`, *optional*): Run name -> quickstart summary entry (`<metric>_before/_after`).
+        title (`str`, *optional*): Figure title (what was trained: task, model, seed).
+        footer (`str`, *optional*): A line under the panels (the command and hardware that produced it).
+        ncols (`int`): Panels per row.
+        keep_flat (`bool`): Also draw panels whose values never change.
+        reward_range (`tuple[float, float]`, *optional*): The reward's possible range (the std band stays in it);
+            by default ReTool's +1/-1 when `boxed_accuracy` is the only reward logged, else no band.
+
+    Raises:
+        ValueError: nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    rewarded = any("reward" in entry for h in histories.values() for entry in h)
+    chosen = [p for p in panels if _changes(p, histories) or (keep_flat and _has_values(p, histories))]
+    chosen = [p for p in chosen if not (p.sft and rewarded)]
+    if not chosen:
+        raise ValueError("nothing to plot: none of the panels' metrics was logged (or none changed).")
+    ncols = max(1, min(ncols, len(chosen)))
+    nrows = -(-len(chosen) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.1 * nrows + 0.6), squeeze=False)
+    colors = {run: f"C{i}" for i, run in enumerate(histories)}
+    reward_range = reward_range or _reward_range(histories)
+    widest = 1
+    for ax, panel in zip(axes.flat, chosen):
+        widest = max(widest, _draw_panel(ax, panel, histories, colors, evals, reward_range))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(chosen) :]:
+        ax.set_visible(False)
+    notes = [footer] if footer else []
+    if widest > 1:
+        notes.append(f"Lines: rolling mean over {widest} logged steps; faint: each step.")
+    if any(p.held_out for p in chosen) and evals:
+        notes.append("Markers: held-out accuracy etc. before (circle) and after (square) training, with their values.")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    if notes:
+        fig.text(0.01, 0.005, "  ".join(notes), fontsize=7.5, color="0.3", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04 if notes else 0, 1, 1))
+    return save_figure(fig, output, layout=False)
 
 
-def available_metrics(log_history: Sequence[dict], metrics: Sequence[str] | None = None) -> list[str]:
-    """The metrics that would be plotted: `metrics` (or the defaults plus every `rewards/*/mean`) that were logged,
-    as training values or as `eval_` values."""
-    logged = {key for entry in log_history for key in entry}
-    if metrics is None:
-        reward_means = sorted(k for k in logged if k.startswith("rewards/") and k.endswith("/mean"))
-        metrics = [DEFAULT_METRICS[0], *reward_means, *DEFAULT_METRICS[1:]]
-    return [m for m in metrics if m in logged or f"eval_{m}" in logged]
+def _has_values(panel: Panel, histories) -> bool:
+    return any(vs for h in histories.values() for _, _, vs in _panel_series(panel, h))
 
 
 def plot_log_history(
@@ -83,63 +300,19 @@ def plot_log_history(
     title: str | None = None,
     ncols: int = 3,
 ) -> Path:
-    """Draws one panel per logged metric and saves a PNG.
+    """One run's panels (the ReTool ones, or one per key of `metrics`, flat ones kept) as a PNG; see [`plot_runs`]."""
+    if metrics:
+        panels = [Panel(key, "logged value", (_line("", key),)) for key in metrics]
+        return plot_runs({"run": log_history}, output, panels, title=title, ncols=ncols, keep_flat=True)
+    return plot_runs({"run": log_history}, output, title=title, ncols=ncols)
 
-    Args:
-        log_history (`list[dict]`): `TrainerState.log_history` (e.g. `trainer.state.log_history`).
-        output (`str` or `Path`): PNG path (parent folders are created).
-        metrics (`list[str]`, *optional*): Keys to plot; default: `DEFAULT_METRICS` plus every `rewards/*/mean`.
-        title (`str`, *optional*): Figure title.
-        ncols (`int`): Panels per row.
 
-    Returns:
-        The PNG path.
-
-    Raises:
-        ValueError: none of the metrics was logged.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
+def save_figure(fig, output: str | Path, layout: bool = True) -> Path:
+    """Lays out `fig` (unless done), writes it as a PNG at `output` (creating folders) and frees it."""
     import matplotlib.pyplot as plt
 
-    keys = available_metrics(log_history, metrics)
-    if not keys:
-        wanted = list(metrics) if metrics else "the default metrics"
-        raise ValueError(f"nothing to plot: the log history has none of {wanted}; pass --metrics with logged keys.")
-    ncols = max(1, min(ncols, len(keys)))
-    nrows = -(-len(keys) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        steps, values = _series(log_history, key)
-        if values:
-            ax.plot(steps, values, label="train", linewidth=1.5, marker="o" if len(values) < 3 else None)
-            if key == "reward":  # TRL logs the spread of rewards alongside their mean
-                _, std = _series(log_history, "reward_std")
-                if len(std) == len(values):
-                    ax.fill_between(
-                        steps, [v - s for v, s in zip(values, std)], [v + s for v, s in zip(values, std)], alpha=0.2
-                    )
-        eval_steps, eval_values = _series(log_history, f"eval_{key}")
-        if eval_values:
-            ax.plot(eval_steps, eval_values, "o--", label="eval", markersize=4)
-        ax.set_title(key, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if values and eval_values:
-            ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.set_visible(False)
-    if title:
-        fig.suptitle(title)
-    return save_figure(fig, output)
-
-
-def save_figure(fig, output: str | Path) -> Path:
-    """Lays out `fig`, writes it as a PNG at `output` (creating folders) and frees it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
+    if layout:
+        fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)
@@ -147,83 +320,56 @@ def save_figure(fig, output: str | Path) -> Path:
     return output
 
 
-# The +1/-1 reward of boxed_accuracy maps to accuracy as (r + 1) / 2.
-ARITHMETIC_PANELS = (
-    ("reward", "reward", lambda v: v),
-    ("accuracy (train samples)", "rewards/boxed_accuracy/mean", lambda v: (v + 1) / 2),
-    ("code ratio (executed calls)", "retool/code_ratio", lambda v: v),
-    ("mean completion length", "completions/mean_length", lambda v: v),
-)
-
-
 def plot_comparison(
     histories: dict[str, list[dict]],
     output: str | Path,
     evals: dict[str, dict] | None = None,
-    panels=ARITHMETIC_PANELS,
+    panels: Sequence[Panel] = ARITHMETIC_PANELS,
+    title: str | None = None,
+    footer: str | None = None,
 ) -> Path:
-    """Training metrics over GRPO steps, one panel per metric and one line per run, as a PNG.
+    """The quickstart's figure: `panels` in one row, one color per run, held-out before/after as markers."""
+    return plot_runs(
+        histories,
+        output,
+        panels,
+        evals=evals,
+        title=title,
+        footer=footer,
+        ncols=len(panels),
+        keep_flat=True,
+        reward_range=(-1.0, 1.0),  # the quickstart's boxed_accuracy: +1 correct, -1 wrong
+    )
 
-    Args:
-        histories (`dict[str, list[dict]]`): Run name -> TRL `log_history`.
-        output (`str` or `Path`): PNG path.
-        evals (`dict[str, dict]`, *optional*): Run name -> summary entry; held-out values before/after are drawn
-            as markers on the panels of `accuracy` (accuracy panel), `calls_per_completion` and `recovery_rate`.
-        panels: `(title, logged key, transform)` per panel; the reward, accuracy, code ratio and length by default.
-    """
-    import matplotlib
 
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    def series(history, key, transform=lambda v: v):
-        points = [(h["step"], transform(h[key])) for h in history if isinstance(h.get(key), (int, float))]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    held_out = {
-        "rewards/": "accuracy",
-        "retool/calls_per_completion": "calls_per_completion",
-        "retool/recovery_rate": "recovery_rate",
-    }
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.2))
-    for ax, (title, key, transform) in zip(axes, panels):
-        for index, (name, history) in enumerate(histories.items()):
-            steps, values = series(history, key, transform)
-            if values:
-                ax.plot(steps, values, label=name, color=f"C{index}", linewidth=1.5)
-            metric = next((m for prefix, m in held_out.items() if key.startswith(prefix)), None)
-            if evals and metric and name in evals and evals[name].get(f"{metric}_before") is not None:
-                last = max((h.get("step", 0) for h in history), default=0)
-                ax.plot(
-                    [0, last],
-                    [evals[name][f"{metric}_before"], evals[name].get(f"{metric}_after")],
-                    "o--",
-                    color=f"C{index}",
-                    alpha=0.6,
-                    markersize=5,
-                    label=f"{name} held-out",
-                )
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    return save_figure(fig, output)
+def _title(runs: Sequence[str], info: Mapping) -> str:
+    parts = [" and ".join(runs)]
+    parts += [f"{k} {info[k]}" for k in ("task", "model", "dataset", "seed") if info.get(k) not in (None, "")]
+    return " · ".join(parts)
 
 
 def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequence[str] | None = None) -> Path:
-    """Plots a run folder's logs (see [`load_log_history`]) to `output` (default: `RUN/training_curves.png`)."""
+    """Plots a run folder, or a folder of runs (a quickstart's `tool_rl/` and `text_rl/`, in one figure with its
+    held-out before/after markers), to `output` (default: `RUN/training_curves.png`), titled with what the run was
+    (`retool_run.json` or the quickstart's `summary.json`)."""
     run = Path(run)
-    history = load_log_history(run)
-    if output is None:
-        output = (run if run.is_dir() else run.parent) / "training_curves.png"
-    return plot_log_history(history, output, metrics, title=run.resolve().name)
+    folder = run if run.is_dir() else run.parent
+    info = read_run_info(folder)
+    states = find_runs(run)
+    order = [name for name in info.get("runs", []) if name in states] + [
+        n for n in states if n not in info.get("runs", [])
+    ]
+    histories = {name: load_log_history(states[name]) for name in order}
+    evals = {name: info["evals"][name] for name in histories if name in info.get("evals", {})}
+    output = folder / "training_curves.png" if output is None else output
+    title = _title(list(histories), info)
+    if metrics:
+        panels = [Panel(key, "logged value", (_line("", key),)) for key in metrics]
+        return plot_runs(histories, output, panels, title=title, keep_flat=True)
+    reward_range = tuple(info["reward_range"]) if info.get("reward_range") else None
+    return plot_runs(histories, output, evals=evals or None, title=title, reward_range=reward_range)
 
 
-__all__ = [
-    "DEFAULT_METRICS",
-    "available_metrics",
-    "load_log_history",
-    "plot_comparison",
-    "plot_log_history",
-    "plot_run",
-]
+def hardware() -> str:
+    """This machine in a few words, for figure footers (the CPU quickstart runs on CPU)."""
+    return f"CPU, {os.cpu_count()} cores"

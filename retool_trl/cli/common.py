@@ -96,10 +96,20 @@ def report_prompt_format(requested: str, dataset, tokenizer, source: str) -> str
     return chosen
 
 
-def finish(trainer, output_dir: str) -> None:
-    """Saves the model and the log history (for `retool-trl plot`) and closes the trackers."""
+def short_model_name(path: str) -> str:
+    """A model's name for titles: a folder's own name, or the hub id."""
+    return os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
+
+
+def finish(trainer, output_dir: str, info: dict | None = None) -> None:
+    """Saves the model, the log history and `info` (what the run was: `retool_run.json`, for the titles of
+    `retool-trl plot`) and closes the trackers."""
+    from ..run_logs import write_run_info
+
     trainer.save_model(output_dir)
     trainer.save_state()  # trainer_state.json (the log history) next to the model, for `retool-trl plot`
+    if info is not None and trainer.is_world_process_zero():
+        write_run_info(output_dir, seed=trainer.args.seed, **info)
     end = getattr(trainer, "end", None)  # transformers >= 5.18: closes the trackers of report_to
     if callable(end):
         end()

@@ -23,6 +23,7 @@ from .common import (
     resolve_model_path,
     resume_value,
     set_console,
+    short_model_name,
 )
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
@@ -207,6 +208,11 @@ def build_sft(argv: Sequence[str]):
             raise UserError(one_line(error)) from None  # retool_trl.sft's messages about malformed traces
         raise
     set_console(trainer, script_args.console)
+    trainer.retool_run_info = {  # what `retool-trl plot` titles the run with (see `finish`)
+        "command": "retool-trl sft",
+        "model": short_model_name(model_path),
+        "dataset": script_args.dataset_name,
+    }
     return trainer
 
 
@@ -217,5 +223,5 @@ def main(argv: Sequence[str]) -> int:
         return 0
     trainer = build_sft(help_all_argv(argv))
     trainer.train(resume_from_checkpoint=resume_value(trainer.args))
-    finish(trainer, trainer.args.output_dir)
+    finish(trainer, trainer.args.output_dir, trainer.retool_run_info)
     return 0

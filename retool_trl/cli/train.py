@@ -25,6 +25,7 @@ from .common import (
     resolve_model_path,
     resume_value,
     set_console,
+    short_model_name,
 )
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
@@ -236,6 +237,14 @@ def build_train(argv: Sequence[str]):
         quantization_config=get_quantization_config(model_args),
     )
     set_console(trainer, script_args.console)
+    boxed_only = set(script_args.reward_funcs) <= {"boxed_accuracy"}
+    trainer.retool_run_info = {  # what `retool-trl plot` titles the run with (see `finish`)
+        "command": "retool-trl train",
+        "model": short_model_name(model_path),
+        "dataset": script_args.dataset_name,
+        # The reward's range when it is boxed_accuracy alone (tool_use_bonus keeps wrong answers below correct ones).
+        "reward_range": [training_args.incorrect_reward, training_args.correct_reward] if boxed_only else None,
+    }
     return trainer
 
 
@@ -246,5 +255,5 @@ def main(argv: Sequence[str]) -> int:
         return 0
     trainer = build_train(help_all_argv(argv))
     trainer.train(resume_from_checkpoint=resume_value(trainer.args))
-    finish(trainer, trainer.args.output_dir)
+    finish(trainer, trainer.args.output_dir, trainer.retool_run_info)
     return 0

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
+from ..plotting import Panel
 from ..rewards import boxed_accuracy, is_correct
+from ..run_logs import accuracy_of
 from ..sandbox import ExecResult
 from .plan import TaskPlan
 
@@ -167,10 +169,21 @@ MULTITURN_DEFAULTS = {
 }
 
 MULTITURN_PANELS = (
-    ("accuracy (train samples)", "rewards/boxed_accuracy_and_recovery/mean", lambda v: (v + 1) / 2),
-    ("interpreter calls per completion", "retool/calls_per_completion", lambda v: v),
-    ("recovery rate (correct | failing cell)", "retool/recovery_rate", lambda v: v),
-    ("share with a failing cell", "retool/failing_cell_ratio", lambda v: v),
+    Panel("accuracy", "correct completions (%)", (("train samples", None, accuracy_of),), True, "accuracy"),
+    Panel(
+        "interpreter calls",
+        "calls per completion",
+        (("train samples", "retool/calls_per_completion", None),),
+        held_out="calls_per_completion",
+    ),
+    Panel(
+        "recovery from a failing cell",
+        "correct after a failing cell (%)",
+        (("train samples", "retool/recovery_rate", None),),
+        percent=True,
+        held_out="recovery_rate",
+    ),
+    Panel("failing cells", "completions with a failing cell (%)", (("", "retool/failing_cell_ratio", None),), True),
 )
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..console import use_compact_console
-from ..plotting import plot_comparison
+from ..plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
 from .plan import RUNS, TASKS, QuickstartArguments, rl_config
@@ -34,7 +34,7 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     set_seed(seed)
     model.eval()
     run, side = Path(config.output_dir).name, name.replace("eval_", "")
-    desc = f"{run} {side}: held-out"  # e.g. "tool_rl before: held-out"
+    desc = f"{run}, held-out, {side} training"  # e.g. "tool_rl, held-out, before training"
     report = evaluate(model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox, desc=desc)
     write_report(report, config.output_dir, name)
     m = report.metrics
@@ -137,7 +137,17 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
         torch.set_num_threads(threads)
         sandbox.close()
     histories = {name: results[name].pop("log_history") for name in RUNS}
-    plot = plot_comparison(histories, out / "quickstart.png", evals=results, panels=plan.panels)
+    title = (
+        f"quickstart, task {args.task}: GRPO with the interpreter (tool_rl) vs text only (text_rl) · model "
+        f"{Path(start).name} · seed {args.seed}"
+    )
+    footer = (
+        f"retool-trl quickstart --task {args.task} --max-steps {args.max_steps} ({args.prompts_per_step} problems x "
+        f"{args.num_generations} samples per step; held-out: {args.num_eval} problems) on {hardware()}."
+    )
+    plot = plot_comparison(
+        histories, out / "quickstart.png", evals=results, panels=plan.panels, title=title, footer=footer
+    )
     summary = {
         **results,
         "wall_s": round(time.perf_counter() - started, 1),
