@@ -90,11 +90,11 @@ RUN_PANELS = (
         percent=True,
         held_out="recovery_rate",
     ),
-    Panel(
+    Panel(  # TRL counts the model's tokens only (interpreter output excluded)
         "completion length",
-        "tokens per completion",
+        "model tokens per completion",
         (_line("all", "completions/mean_length"), _line("finished", "completions/mean_terminated_length")),
-        held_out="mean_length",
+        held_out="mean_model_tokens",
     ),
     Panel("interpreter output", "completion tokens (%)", (_line("", "retool/interpreter_token_fraction"),), True),
     Panel("KL to the reference model", "KL (nats per token)", (_line("", "kl"),)),
@@ -108,7 +108,12 @@ ARITHMETIC_PANELS = (
     Panel("reward", "reward per completion (mean)", (_line("", "reward"),)),
     Panel("accuracy", "correct completions (%)", (_line("train samples", None, accuracy_of),), True, "accuracy"),
     Panel("code ratio", "completions that call code (%)", (_line("", "retool/code_ratio"),), True, "code_ratio"),
-    Panel("completion length", "tokens per completion", (_line("", "completions/mean_length"),), False, "mean_length"),
+    Panel(
+        "completion length",
+        "model tokens per completion",
+        (_line("", "completions/mean_length"),),
+        held_out="mean_model_tokens",
+    ),
 )
 
 

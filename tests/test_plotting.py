@@ -43,7 +43,9 @@ def quickstart_dir(tmp_path):
         "text_rl": {"accuracy_before": 0.6, "accuracy_after": 0.1, "code_ratio_before": 0.0, "code_ratio_after": 0.0},
     }
     for entry in runs.values():
-        entry.update(steps=30, mean_length_before=30.0, mean_length_after=22.0, calls_per_completion_before=0.7)
+        entry.update(
+            steps=30, mean_model_tokens_before=30.0, mean_model_tokens_after=22.0, calls_per_completion_before=0.7
+        )
     summary = {**runs, "model": "/somewhere/quickstart_model", "settings": {"task": "arithmetic", "seed": 7}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     return tmp_path

@@ -39,6 +39,8 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     write_report(report, config.output_dir, name)
     m = report.metrics
     metrics = {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
+    # Model-written tokens only, as TRL's logged completions/mean_length counts them (the plot puts them side by side).
+    metrics["mean_model_tokens"] = m["mean_model_tokens"]
     if eval_metrics is not None:
         metrics.update(eval_metrics(report))
     return metrics
