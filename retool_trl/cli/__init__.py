@@ -4,7 +4,7 @@
     retool-trl sft --config configs/sft_cold_start.yaml [--key value ...]       cold-start SFT, interpreter masked
     retool-trl eval --model PATH --dataset aime_2024 --num-samples 8            pass@1 / avg@k with the interpreter
     retool-trl quickstart [--task multiturn] [--output-dir DIR]                 the CPU quickstart(s)
-    retool-trl plot --run DIR                                                   PNG of a run's logs
+    retool-trl plot --run DIR                                                   PNG of a run's (or runs') logs
 
 `train` and `sft` parse with TRL's `TrlParser` (see `retool_trl.cli.parser`), so every `GRPOConfig`/`SFTConfig`
 field, LoRA (`use_peft`, `lora_r`, ...) and `--config` YAML files work as in TRL's own scripts; command-line values
@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("sft", "Cold-start SFT on code-integrated traces; interpreter output is masked from the loss."),
     "eval": ("eval", "pass@1 / avg@k, code ratio, calls per answer, mean length, with the interpreter."),
     "quickstart": ("quickstart", "The CPU quickstart: tiny model, synthetic arithmetic, plots and summary.json."),
-    "plot": ("plot", "Plot a run's trainer_state.json log history as PNG."),
+    "plot": ("plot", "PNG of a run's training curves (or of a quickstart folder's two runs)."),
 }
 
 

@@ -22,6 +22,7 @@ from .common import (
     data_prompt_format,
     report_prompt_format,
     resolve_model_path,
+    short_model_name,
 )
 from .parser import parse_arguments
 
@@ -180,7 +181,13 @@ def main(argv: Sequence[str]) -> int:
     model = load_eval_model(model_path, eval_args.dtype)
     torch.manual_seed(config.seed)
     report = evaluate(
-        model, tokenizer, dataset, config, num_samples=eval_args.num_samples, batch_size=eval_args.batch_size
+        model,
+        tokenizer,
+        dataset,
+        config,
+        num_samples=eval_args.num_samples,
+        batch_size=eval_args.batch_size,
+        desc=f"Evaluating {short_model_name(model_path)} on {eval_args.dataset}",
     )
     report.meta.update(model=eval_args.model, dataset=eval_args.dataset, split=eval_args.split)
     paths = write_report(report, config.output_dir, eval_args.name or "results")

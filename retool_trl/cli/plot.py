@@ -12,9 +12,20 @@ from .parser import OneLineParser
 def main(argv: Sequence[str]) -> int:
     """`retool-trl plot --run DIR [--output PNG] [--metrics KEY ...]`."""
     parser = OneLineParser(prog=f"{PROG} plot", description="Plot a training run's logs (trainer_state.json) as PNG.")
-    parser.add_argument("--run", required=True, help="Training output_dir (or a checkpoint, or a trainer_state.json).")
+    parser.add_argument(
+        "--run",
+        required=True,
+        help="A training output_dir (or a checkpoint, or a trainer_state.json), or a folder of runs such as a "
+        "quickstart's (its tool_rl/ and text_rl/ are plotted together).",
+    )
     parser.add_argument("--output", default=None, help="PNG path (default: RUN/training_curves.png).")
-    parser.add_argument("--metrics", nargs="+", default=None, help="Logged keys to plot (default: ReTool's usual).")
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        default=None,
+        help="Logged keys to plot, one panel each (default: the ReTool panels: reward, accuracy, code ratio, calls, "
+        "errors, recovery, length, KL, entropy, those that were logged and changed).",
+    )
     args = parser.parse_args(list(argv))
     from ..plotting import plot_run
 

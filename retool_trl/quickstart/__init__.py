@@ -9,8 +9,6 @@
 Imports run one way: `runner` -> the tasks -> `plan`.
 """
 
-from ..console import CompactProgressCallback
-
 # The quickstart models are built with these (scripts/build_quickstart_model.py, scripts/build_multiturn_model.py).
 from ..tiny import build_char_tokenizer, build_tiny_model
 from .arithmetic import QUICKSTART_MODEL_DIR, QuickstartTask, arithmetic_plan, model_path
@@ -26,6 +24,16 @@ from .multiturn import (
 )
 from .plan import RUNS, TASKS, QuickstartArguments, TaskPlan, rl_config
 from .runner import PLANS, main, run_quickstart, train_run
+
+
+def __getattr__(name):
+    # Re-exported lazily: the console imports transformers' trainer, which `retool-trl quickstart --help` must not.
+    if name == "CompactProgressCallback":
+        from ..console import CompactProgressCallback
+
+        return CompactProgressCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MULTITURN_DEFAULTS",

@@ -12,7 +12,6 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..console import use_compact_console
 from ..plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
@@ -67,6 +66,7 @@ def train_run(
     """
     from transformers import AutoModelForCausalLM
 
+    from ..console import use_compact_console
     from ..trainer import ReToolTrainer
 
     run_dir = out / name
