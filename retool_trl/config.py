@@ -204,6 +204,29 @@ class ReToolConfig(GRPOConfig):
     def __post_init__(self):
         self._validate_retool_fields()
         super().__post_init__()
+        # After TrainingArguments has parsed the JSON form (`--generation_kwargs '{"num_beams": 4}'` on the command
+        # line), so both forms are checked.
+        self._validate_generation_kwargs()
+
+    def _validate_generation_kwargs(self) -> None:
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise ValueError(
+                f"ReToolConfig.generation_kwargs must be a mapping (in YAML) or a JSON object (on the command line, "
+                f"e.g. '{{\"top_k\": 20}}'), got {self.generation_kwargs!r}."
+            )
+        generation_kwargs = self.generation_kwargs or {}
+        if generation_kwargs.get("num_beams", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
+                "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
+                "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
+            )
+        if generation_kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
+                "completion after its code runs, one sequence per completion. Use num_generations for more samples "
+                "per prompt."
+            )
 
     def _validate_retool_fields(self) -> None:
         # Checked first, so the missing extra is named before anything else is set up or loaded.
@@ -275,19 +298,6 @@ class ReToolConfig(GRPOConfig):
             raise ValueError(
                 "ReToolConfig.max_completion_length must be >= 1 (it bounds every completion, interpreter tokens "
                 f"included), got {self.max_completion_length}."
-            )
-        generation_kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        if generation_kwargs.get("num_beams", 1) != 1:
-            raise ValueError(
-                "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
-                "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
-                "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
-            )
-        if generation_kwargs.get("num_return_sequences", 1) != 1:
-            raise ValueError(
-                "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
-                "completion after its code runs, one sequence per completion. Use num_generations for more samples "
-                "per prompt."
             )
         prompt = self.system_prompt
         if prompt is not None and prompt.strip().lower() != "none" and prompt not in SYSTEM_PROMPTS:

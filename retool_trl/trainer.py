@@ -185,7 +185,7 @@ class ReToolTrainer(GRPOTrainer):
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
-        metrics = rollout_metrics(result, self.accelerator.gather)
+        metrics = rollout_metrics(result, self.accelerator.gather, self.accelerator.device)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
             .mean()

@@ -15,6 +15,10 @@ PROMPT_FORMAT_HELP = (
     "data are conversations or the tokenizer has a chat template, plain text otherwise."
 )
 PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
+CHAT_TEMPLATE_PATH_HELP = (
+    "A chat template to use instead of the tokenizer's: a Jinja file (.jinja, .j2), or a tokenizer folder or hub id "
+    "that has one. Give evaluation the same template as training (a trained model's folder already carries it)."
+)
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
