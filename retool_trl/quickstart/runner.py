@@ -18,6 +18,7 @@ from ..plotting import plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
 from .plan import RUNS, TASKS, QuickstartArguments, rl_config
+from .seeds import parse_seeds, run_seeds
 
 # Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
 # sets none.
@@ -226,13 +227,26 @@ def main(argv: list[str] | None = None) -> int:
             choices=TASKS if f.name == "task" else None,
             help=f"{f.metadata['help']} (default: {default})",
         )
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="Run once per seed (e.g. 0-4 or 0,2,7) into OUTPUT_DIR/seed{N}/, then write seeds.json, seeds.md (mean, "
+        "min, max) and seeds.png across them. Overrides --seed.",
+    )
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    seeds = options.pop("seeds", None)
     try:
+        if seeds is not None:
+            seeds = parse_seeds(seeds)
+            options.pop("seed", None)
         defaults = PLANS.get(options.get("task", "arithmetic"), PLANS["arithmetic"])[1]
         QuickstartArguments(**{**defaults, **options})  # bad values are reported before any work starts
     except ValueError as error:
         raise UserError(str(error)) from None
     if options.get("model") is not None and not (Path(options["model"]) / "config.json").is_file():
         raise UserError(f"--model {options['model']!r} is not a model folder (no config.json); pass a checkpoint.")
-    run_quickstart(**options)
+    if seeds is not None:
+        run_seeds(seeds, run_quickstart, **options)
+    else:
+        run_quickstart(**options)
     return 0
