@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
+from .sandbox.cell_limits import ERROR_FORMATS
 
 _TRUNCATION_SIDES = ("head", "tail", "middle")
 _SANDBOX_BACKENDS = ("local", "remote")
@@ -118,6 +119,21 @@ class ReToolConfig(GRPOConfig):
         metadata={
             "help": "Part of a long interpreter output that is kept: 'head', 'tail' or 'middle' (elide the middle).",
             "choices": list(_TRUNCATION_SIDES),
+        },
+    )
+    interpreter_errors: str = field(
+        default="traceback",
+        metadata={
+            "help": "How a failing cell is reported: 'traceback' (the whole error) or 'last_line' (only the exception "
+            "line, e.g. `NameError: name 'a' is not defined`; keeps interpreter blocks short for small budgets).",
+            "choices": list(ERROR_FORMATS),
+        },
+    )
+    max_cell_chars: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest cell (characters) the interpreter runs; a longer one is refused with `CellTooLong: over "
+            "N chars` and does not run. None: no limit."
         },
     )
     rollout_mode: str = field(
@@ -266,6 +282,12 @@ class ReToolConfig(GRPOConfig):
                 f"ReToolConfig.interpreter_truncation must be one of {_TRUNCATION_SIDES}, got "
                 f"{self.interpreter_truncation!r}."
             )
+        if self.interpreter_errors not in ERROR_FORMATS:
+            raise ValueError(
+                f"ReToolConfig.interpreter_errors must be one of {ERROR_FORMATS}, got {self.interpreter_errors!r}."
+            )
+        if self.max_cell_chars is not None and self.max_cell_chars < 1:
+            raise ValueError(f"ReToolConfig.max_cell_chars must be >= 1 or None, got {self.max_cell_chars}.")
         if self.rollout_mode not in ("async", "barrier"):
             raise ValueError(f"ReToolConfig.rollout_mode must be 'async' or 'barrier', got {self.rollout_mode!r}.")
         if self.rollout_concurrency < 1:

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from .generation import TransformersBackend
 from .parsing import with_system_prompt
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox.factory import sandbox_from_config
+from .sandbox.factory import sandbox_from_config, with_cell_limits
 
 
 def eos_token_ids_of(model, tokenizer) -> list[int]:
@@ -87,7 +87,7 @@ def generate_with_interpreter(
     )
     prompt_ids = tokenize_prompts(tokenizer, prompts, args)
     own_sandbox = sandbox is None
-    sandbox = sandbox_from_config(args) if own_sandbox else sandbox
+    sandbox = sandbox_from_config(args) if own_sandbox else with_cell_limits(sandbox, args)
     try:
         parts = [
             interleaved_rollout(prompt_ids[i : i + batch_size], backend, sandbox, tokenizer, spec)

@@ -22,14 +22,15 @@ CHAT_TEMPLATE_PATH_HELP = (
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
-    """A model folder or hub id; `quickstart` is the tiny model shipped with the package."""
+    """A model folder or hub id; `quickstart` and `quickstart_multiturn` are the tiny models shipped with the
+    package."""
     if not name:
         raise UserError(f"no model given: set `{option}` in the config or pass --{option}.")
-    if name == "quickstart":
-        from ..quickstart import model_path
+    if name in ("quickstart", "quickstart_multiturn"):
+        from ..quickstart import model_path, multiturn_model_path
 
         try:
-            return model_path()
+            return model_path() if name == "quickstart" else multiturn_model_path()
         except FileNotFoundError as error:
             raise UserError(one_line(error)) from None
     looks_local = name.startswith((".", "/", "~")) or os.path.isabs(name)

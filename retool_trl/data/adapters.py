@@ -271,6 +271,8 @@ def to_retool_dataset(
     return mapped.rename_columns({"_retool_prompt": "prompt", "_retool_answer": "answer"})
 
 
+# The project's own seeded tasks: arithmetic (difficulty in `config_name`), then the multi-turn quickstart's task.
+SYNTHETIC_NAMES = ("synthetic", "retool_trl/synthetic", "arithmetic", "multiturn", "retool_trl/multiturn")
 _DEFAULT = object()
 
 
@@ -290,8 +292,9 @@ def load_math_dataset(
     """Loads a math dataset and maps it to `prompt` + `answer` (see the module docstring).
 
     Args:
-        name (`str`): A known dataset (`dapo_math`, `aime_2024`, `aime_2025`, `math500`, `gsm8k`, `synthetic`, or
-            their hub ids), any other hub id, or a local `.jsonl`/`.json`/`.parquet`/`.csv` file or folder.
+        name (`str`): A known dataset (`dapo_math`, `aime_2024`, `aime_2025`, `math500`, `gsm8k`, their hub ids,
+            `synthetic` arithmetic or the `multiturn` task of the multi-turn quickstart), any other hub id, or a
+            local `.jsonl`/`.json`/`.parquet`/`.csv` file or folder.
         split (`str`, *optional*): Split to load (default: the dataset's usual one; `train` for local files, whose
             files are all loaded).
         config_name (`str`, *optional*): Hub configuration. For `synthetic`, the difficulty (e.g. `"2"`).
@@ -316,11 +319,14 @@ def load_math_dataset(
     if max_samples is not None and max_samples < 1:
         raise DataError(f"max_samples must be >= 1, got {max_samples}.")
 
-    if name.strip().lower() in ("synthetic", "retool_trl/synthetic", "arithmetic"):
-        from .synthetic import make_arithmetic_dataset
+    if name.strip().lower() in SYNTHETIC_NAMES:
+        from .synthetic import make_arithmetic_dataset, make_multiturn_dataset
 
-        difficulty = int(config_name) if config_name else 2
-        raw = make_arithmetic_dataset(max_samples or 512, seed=seed, difficulty=difficulty, split=split or "train")
+        if name.strip().lower() in SYNTHETIC_NAMES[3:]:
+            raw = make_multiturn_dataset(max_samples or 512, seed=seed, split=split or "train")
+        else:
+            difficulty = int(config_name) if config_name else 2
+            raw = make_arithmetic_dataset(max_samples or 512, seed=seed, difficulty=difficulty, split=split or "train")
         to_example, source = _generic_mapping(raw.column_names, None, None, "synthetic"), "synthetic"
     else:
         spec = None if is_local_dataset(name) else find_known_dataset(name)

@@ -178,7 +178,6 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
     # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
     sandbox = sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
-    sandbox = plan.wrap_sandbox(sandbox) if plan.wrap_sandbox else sandbox
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from . import build_sandbox
 from .base import Sandbox
+from .cell_limits import with_cell_limits
 
 
 def sandbox_from_config(args) -> Sandbox:
     """Builds the sandbox of a `ReToolConfig` (or any object with its `sandbox_*` fields): `sandbox_backend` and its
-    limits.
+    limits, with `max_cell_chars` and `interpreter_errors` applied ([`~retool_trl.sandbox.cell_limits.CellLimits`]).
 
     Args:
         args: Has `sandbox_backend`, `sandbox_timeout_s` and, for `"local"`, `sandbox_workers`, `sandbox_memory_mb`,
             `max_interpreter_output_chars`, `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url`
             and `sandbox_max_concurrency`.
     """
+    return with_cell_limits(_backend_from_config(args), args)
+
+
+def _backend_from_config(args) -> Sandbox:
     if args.sandbox_backend == "remote":
         return build_sandbox(
             "remote",
@@ -34,4 +39,4 @@ def sandbox_from_config(args) -> Sandbox:
     )
 
 
-__all__ = ["sandbox_from_config"]
+__all__ = ["sandbox_from_config", "with_cell_limits"]
