@@ -8,7 +8,7 @@ from retool_trl.parsing import Tags, model_prose
 from retool_trl.rewards import boxed_accuracy
 from retool_trl.rollout import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
-from testing_utils import make_bpe_tokenizer, make_char_tokenizer, scripted_trainer
+from testing_utils import make_bpe_tokenizer, make_char_tokenizer, trainer_for
 
 BPE = make_bpe_tokenizer()  # byte-level: any text the sandbox prints can be encoded and decoded back
 CHAR = make_char_tokenizer()
@@ -110,11 +110,6 @@ def test_output_that_is_not_text_becomes_valid_text(printed):
 
 
 # ------------------------------------------------------------------- the trainer's side
-def trainer_for(tmp_path, scripts, reward_funcs=None, dataset=None, **overrides):
-    overrides.setdefault("seed", 0)
-    return scripted_trainer(tmp_path, CHAR, scripts, FakeSandbox(), reward_funcs, dataset, **overrides)
-
-
 def test_dropped_rows_are_logged_with_their_real_length_and_leave_the_loss(tmp_path):
     scripts = ["\\boxed{42}", "<code>print(1)</code>hmm", "\\boxed{41}", "<code>print(6*7)</code>\\boxed{42}"]
     trainer = trainer_for(tmp_path, scripts, filter_void_turns=True)

@@ -19,7 +19,7 @@ from testing_utils import (
     make_char_tokenizer,
     make_tiny_qwen2,
     record_rewards,
-    scripted_trainer,
+    trainer_for,
 )
 
 TOKENIZER = make_char_tokenizer()
@@ -60,10 +60,6 @@ def test_retry_uses_a_fresh_session_with_the_earlier_cells_replayed():
     env = TOKENIZER.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
     assert env.endswith("<interpreter>42\n</interpreter>")  # state of cell 1 was restored in the new session
     assert result.infra_failed == [False] and result.num_tool_errors == [0]
-
-
-def trainer_for(tmp_path, scripts, sandbox, **overrides):
-    return scripted_trainer(tmp_path, TOKENIZER, scripts, sandbox, **overrides)
 
 
 class DownSandbox(FakeSandbox):

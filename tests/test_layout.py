@@ -11,20 +11,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "retool_trl"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Every `retool_trl` module -> the package modules it imports, lazily (inside functions) or not."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every module of `package` -> the package's modules it imports, lazily (inside functions) or not."""
+    modules = {module_name(p, package): p for p in package.rglob("*.py")}
     graph = {name: set() for name in modules}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        parent = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                base = parent.split(".")[: len(parent.split(".")) - node.level + 1] if node.level else []
                 target = ".".join([*base, node.module] if node.module else base)
                 candidates = [target, *(f"{target}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):
@@ -35,18 +35,53 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycles():
-    graph = import_graph()
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first import cycle of `graph` as a path `[a, b, ..., a]`, or `None`.
+
+    A package importing its own submodules, and them importing the package, is not a cycle: every module of such a
+    path lies inside the path's shortest module, which is a package of the graph (`a.b` is inside `a`, while
+    `a.quickstart_multiturn` is not inside `a.quickstart`, however their names begin)."""
     for start in graph:
         stack = [(start, [start])]
         while stack:
             node, path = stack.pop()
             for nxt in graph[node]:
-                # A package importing its own submodules (and them importing the package) is not a cycle.
-                if nxt == start and not all(m.startswith(min(path, key=len)) for m in path):
-                    pytest.fail(f"import cycle: {' -> '.join([*path, nxt])}")
+                if nxt == start:
+                    root = min(path, key=len)
+                    if not all(m == root or m.startswith(root + ".") for m in path):
+                        return [*path, nxt]
                 if nxt not in path:
                     stack.append((nxt, [*path, nxt]))
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_cycle_check_sees_lazy_imports_between_modules_that_share_a_prefix(tmp_path):
+    """The layout the quickstart once had: `quickstart.py` and `quickstart_multiturn.py` importing each other inside
+    functions. A cycle check that compared bare name prefixes took them for a package and its submodule."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "quickstart.py": "def run():\n    from .quickstart_multiturn import recovery_rate\n",
+        "quickstart_multiturn.py": "def plan():\n    from .quickstart import TaskPlan\n",
+        # A package and its submodule importing each other: allowed.
+        "sub/__init__.py": "from .mod import f\n",
+        "sub/mod.py": "from . import helper\nf = 1\n",
+        "sub/helper.py": "",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text)
+    graph = import_graph(package)
+    cycle = find_cycle(graph)
+    assert cycle is not None and set(cycle) == {"pkg.quickstart", "pkg.quickstart_multiturn"}
+    del graph["pkg.quickstart_multiturn"], graph["pkg.quickstart"]
+    assert graph["pkg.sub.mod"] >= {"pkg.sub"} and graph["pkg.sub"] >= {"pkg.sub.mod"}
+    assert find_cycle(graph) is None
 
 
 def test_modules_stay_short():

@@ -4,43 +4,15 @@ import random
 
 import pytest
 import torch
-from datasets import Dataset
 
-from retool_trl import ReToolConfig, ReToolTrainer
+from retool_trl import ReToolConfig
 from retool_trl.rewards import boxed_accuracy, tool_use_shaping
 from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 from retool_trl.stability import resample_on_correct
-from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, save_tiny_model
+from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, trainer_for
 
 TOKENIZER = make_char_tokenizer()
-
-
-def trainer_for(tmp_path, scripts, sandbox=None, reward_funcs=None, group=4, batch=4, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=batch,
-        num_generations=group,
-        max_completion_length=96,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        beta=0.0,
-        seed=0,
-    )
-    values.update(overrides)
-    trainer = ReToolTrainer(
-        save_tiny_model(tmp_path / "m", TOKENIZER),
-        reward_funcs=reward_funcs,
-        args=ReToolConfig(**values),
-        train_dataset=Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * batch),
-        processing_class=TOKENIZER,
-        sandbox=sandbox or FakeSandbox(),
-    )
-    trainer._make_generation_backend = lambda model: ScriptedBackend(TOKENIZER, scripts)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer
 
 
 def batch():

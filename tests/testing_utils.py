@@ -35,7 +35,7 @@ __all__ = [
     "record_rewards",
     "save_tiny_model",
     "script_turns",
-    "scripted_trainer",
+    "trainer_for",
 ]
 
 
@@ -174,13 +174,24 @@ def record_rewards(trainer) -> dict:
     return seen
 
 
-def scripted_trainer(tmp_path, tokenizer, scripts, sandbox, reward_funcs=None, dataset=None, **overrides):
+def trainer_for(tmp_path, scripts, sandbox=None, reward_funcs=None, dataset=None, tokenizer=None, **overrides):
     """A `ReToolTrainer` on a tiny CPU model whose rollouts are `scripts` (a `ScriptedBackend`), ready for
-    `_generate_and_score_completions`: batch 4, 4 generations, 96 tokens, no KL unless `overrides` say otherwise."""
+    `_generate_and_score_completions` (model in train mode, one accumulation step).
+
+    Args:
+        tmp_path: Folder of the model and the run.
+        scripts: The completions the scripted backend writes.
+        sandbox: The interpreter; a `FakeSandbox` by default.
+        reward_funcs: The trainer's reward functions; its default (`boxed_accuracy`) when `None`.
+        dataset: Training rows; four `{"prompt": "Q:", "answer": "42"}` by default.
+        tokenizer: The model's tokenizer; the character-level one by default.
+        overrides: `ReToolConfig` fields over the defaults (batch 4, 4 generations, 96 tokens, no KL, seed 0).
+    """
     from datasets import Dataset
 
     from retool_trl import ReToolConfig, ReToolTrainer
 
+    tokenizer = tokenizer or make_char_tokenizer()
     values = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -190,6 +201,7 @@ def scripted_trainer(tmp_path, tokenizer, scripts, sandbox, reward_funcs=None, d
         bf16=False,
         use_cpu=True,
         beta=0.0,
+        seed=0,
     )
     values.update(overrides)
     trainer = ReToolTrainer(
@@ -198,7 +210,7 @@ def scripted_trainer(tmp_path, tokenizer, scripts, sandbox, reward_funcs=None, d
         args=ReToolConfig(**values),
         train_dataset=dataset or Dataset.from_list([{"prompt": "Q:", "answer": "42"}] * 4),
         processing_class=tokenizer,
-        sandbox=sandbox,
+        sandbox=sandbox or FakeSandbox(),
     )
     trainer._make_generation_backend = lambda model: ScriptedBackend(tokenizer, scripts)
     trainer.model.train()
