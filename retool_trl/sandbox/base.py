@@ -37,6 +37,14 @@ class ExecResult:
     duration_s: float
     infra_error: bool = False
 
+    def __post_init__(self):
+        # Whatever a cell printed or raised (a lone surrogate in a message, a status or a service's JSON), the model
+        # only ever sees valid UTF-8 text: what cannot be encoded becomes "?", as in the cell's own printed output.
+        try:
+            self.output.encode("utf-8")
+        except UnicodeEncodeError:
+            object.__setattr__(self, "output", self.output.encode("utf-8", "replace").decode("utf-8"))
+
 
 @runtime_checkable
 class Session(Protocol):
