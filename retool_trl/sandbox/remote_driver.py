@@ -249,7 +249,10 @@ def main():
         code = 0
         try:
             report.close()  # the cell cannot write on the report's line
-            os.setpgid(0, 0)
+            try:
+                os.setpgid(0, 0)  # so that what the cell starts can be killed with it
+            except OSError:
+                pass
             os.dup2(out, 1)
             os.dup2(out, 2)
             os.write(status, json.dumps(run_cell(ns, cells[-1], "<cell-%d>" % numbers[-1])).encode())
@@ -299,7 +302,12 @@ def send(report, result):
     os._exit(0)
 
 
-send(*main())
+ERRORS = os.dup(2)
+try:
+    send(*main())
+except BaseException:  # the program's own failure: the service's stderr says what, the client reports a crash
+    os.write(ERRORS, valid(traceback.format_exc()).encode())
+    os._exit(1)
 """
 
 # The service reads at most about 200 KB of a process's output: the report stays well below.
