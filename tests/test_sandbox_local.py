@@ -137,8 +137,8 @@ def test_exception_traceback_is_short_and_hides_host_paths(sandbox):
 @pytest.mark.parametrize(
     ("cell", "ok", "last_line"),
     [
-        ("raise ValueError(chr(0xDFFF))", False, "ValueError: ?"),
-        ("import sys\nsys.exit(chr(0xDFFF))", False, "SystemExit: ?"),
+        ("raise ValueError(chr(0xDFFF))", False, "ValueError: \ufffd"),
+        ("import sys\nsys.exit(chr(0xDFFF))", False, "SystemExit: \ufffd"),
         ("import sys\nprint(chr(0xDFFF), file=sys.stderr)", True, "?"),
         ("print(chr(0xD800) + 'x')", True, "?x"),
     ],
@@ -155,8 +155,8 @@ def test_lone_surrogates_reach_the_model_as_valid_text(sandbox, cell, ok, last_l
 
 def test_exec_result_output_is_always_valid_text():
     """Whatever path builds a result (a status from the jail, a service's JSON), its output is valid UTF-8 text."""
-    r = ExecResult("ValueError: \udfff", ok=False, timed_out=False, duration_s=0.0)
-    assert r.output == "ValueError: ?" and r.output.encode("utf-8")
+    r = ExecResult("ValueError: \udfff\ud800", ok=False, timed_out=False, duration_s=0.0)
+    assert r.output == "ValueError: \ufffd\ufffd" and r.output.encode("utf-8")
     assert ExecResult("plain é\n", ok=True, timed_out=False, duration_s=0.0).output == "plain é\n"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -9,6 +10,7 @@ from typing import Protocol, runtime_checkable
 __all__ = ["ExecResult", "Sandbox", "Session", "truncate_output", "cut_output", "refusal", "check_pairs"]
 
 _SIDES = ("head", "tail", "middle")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,12 @@ class ExecResult:
     infra_error: bool = False
 
     def __post_init__(self):
-        # Whatever a cell printed or raised (a lone surrogate in a message, a status or a service's JSON), the model
-        # only ever sees valid UTF-8 text: what cannot be encoded becomes "?", as in the cell's own printed output.
+        # Whatever a cell raised or a status carried (a lone surrogate in an exception's message, a service's JSON),
+        # the model only ever sees valid UTF-8 text: a lone surrogate becomes U+FFFD, as in the rollout's cleaning.
         try:
             self.output.encode("utf-8")
         except UnicodeEncodeError:
-            object.__setattr__(self, "output", self.output.encode("utf-8", "replace").decode("utf-8"))
+            object.__setattr__(self, "output", _LONE_SURROGATE.sub("\ufffd", self.output))
 
 
 @runtime_checkable

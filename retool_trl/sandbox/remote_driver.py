@@ -24,7 +24,7 @@ import os
 for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
     os.environ[_name] = "1"
 os.environ.setdefault("MPLBACKEND", "Agg")
-import ast, base64, json, linecache, resource, select, signal, sys, tempfile, threading, time, traceback
+import ast, base64, json, linecache, re, resource, select, signal, sys, tempfile, threading, time, traceback
 from collections import deque
 
 C = json.loads(base64.b64decode("@PAYLOAD@"))
@@ -112,7 +112,8 @@ def on_sigxcpu(*_):
 
 
 def valid(text):
-    return text.encode("utf-8", "replace").decode("utf-8")
+    # As the client's ExecResult does: a lone surrogate (in an exception's message, say) becomes U+FFFD.
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
 def format_exception(exc, last_line=None):
