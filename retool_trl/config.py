@@ -59,7 +59,7 @@ class ReToolConfig(GRPOConfig):
         sandbox_timeout_s (`float`, defaults to `5.0`):
             Wall-clock limit of one code execution, in seconds.
         sandbox_memory_mb (`int`, defaults to `1024`):
-            Address-space limit of a local sandbox session, in MiB.
+            Address-space limit of a sandbox session, in MiB (sent to the remote service as its memory limit).
         sandbox_url (`str` or `None`, defaults to `None`):
             Base URL of the SandboxFusion service; required when `sandbox_backend="remote"`.
         sandbox_max_concurrency (`int`, defaults to `32`):
