@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
+from .sandbox.cell_limits import ERROR_FORMATS
 
 
 def _bf16_supported() -> bool:
@@ -65,7 +66,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         sandbox_timeout_s (`float`, defaults to `5.0`):
             Wall-clock limit of one code execution, in seconds.
         sandbox_memory_mb (`int`, defaults to `1024`):
-            Address-space limit of a local sandbox session, in MiB.
+            Address-space limit of a sandbox session, in MiB (sent to the remote service as its memory limit).
         sandbox_url (`str` or `None`, defaults to `None`):
             Base URL of the SandboxFusion service; required when `sandbox_backend="remote"`.
         sandbox_max_concurrency (`int`, defaults to `32`):
@@ -106,6 +107,29 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
             self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
+        # After TrainingArguments has parsed the JSON form (`--generation_kwargs '{"num_beams": 4}'` on the command
+        # line), so both forms are checked.
+        self._validate_generation_kwargs()
+
+    def _validate_generation_kwargs(self) -> None:
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise ValueError(
+                f"ReToolConfig.generation_kwargs must be a mapping (in YAML) or a JSON object (on the command line, "
+                f"e.g. '{{\"top_k\": 20}}'), got {self.generation_kwargs!r}."
+            )
+        generation_kwargs = self.generation_kwargs or {}
+        if generation_kwargs.get("num_beams", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
+                "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
+                "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
+            )
+        if generation_kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
+                "completion after its code runs, one sequence per completion. Use num_generations for more samples "
+                "per prompt."
+            )
 
     def _validate_retool_fields(self) -> None:
         # Checked first, so the missing extra is named before anything else is set up or loaded.
@@ -145,6 +169,12 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 f"ReToolConfig.interpreter_truncation must be one of {TRUNCATION_SIDES}, got "
                 f"{self.interpreter_truncation!r}."
             )
+        if self.interpreter_errors not in ERROR_FORMATS:
+            raise ValueError(
+                f"ReToolConfig.interpreter_errors must be one of {ERROR_FORMATS}, got {self.interpreter_errors!r}."
+            )
+        if self.max_cell_chars is not None and self.max_cell_chars < 1:
+            raise ValueError(f"ReToolConfig.max_cell_chars must be >= 1 or None, got {self.max_cell_chars}.")
         if self.rollout_mode not in ("async", "barrier"):
             raise ValueError(f"ReToolConfig.rollout_mode must be 'async' or 'barrier', got {self.rollout_mode!r}.")
         if self.rollout_concurrency < 1:
@@ -177,19 +207,6 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             raise ValueError(
                 "ReToolConfig.max_completion_length must be >= 1 (it bounds every completion, interpreter tokens "
                 f"included), got {self.max_completion_length}."
-            )
-        generation_kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        if generation_kwargs.get("num_beams", 1) != 1:
-            raise ValueError(
-                "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
-                "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
-                "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
-            )
-        if generation_kwargs.get("num_return_sequences", 1) != 1:
-            raise ValueError(
-                "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
-                "completion after its code runs, one sequence per completion. Use num_generations for more samples "
-                "per prompt."
             )
         prompt = self.system_prompt
         if prompt is not None and prompt.strip().lower() != "none" and prompt not in SYSTEM_PROMPTS:

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from .generation import TransformersBackend
 from .parsing import with_system_prompt
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox.factory import sandbox_from_config
+from .sandbox.factory import sandbox_from_config, with_cell_limits
 
 
 def eos_token_ids_of(model, tokenizer) -> list[int]:
@@ -36,21 +36,35 @@ def generation_config_from(args, tokenizer, eos_token_ids: Sequence[int]) -> Gen
     return GenerationConfig(**kwargs)
 
 
-def tokenize_prompts(tokenizer, prompts: Sequence, system_prompt: str | None = None) -> list[list[int]]:
-    """Token ids of plain-text prompts, or of conversational prompts through the chat template (generation prompt
-    added, `system_prompt` prepended where a conversation has no system message)."""
-    if prompts and isinstance(prompts[0], list):
-        ids = []
-        for messages in with_system_prompt(list(prompts), system_prompt):
-            ids.append(
-                list(
-                    tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                )
-            )
-        return ids
-    return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
+    """The prompt ids `ReToolTrainer` trains on for `prompts` under `args`, built by TRL's own `_tokenize_prompts`.
+
+    Plain-text prompts go through the tokenizer; conversations get the configured system prompt where they have none,
+    then the chat template with the generation prompt and `args.chat_template_kwargs` (e.g. Qwen3's
+    `enable_thinking`). Calling TRL's function (not a copy of it) keeps evaluation's prompts identical to training's.
+
+    Args:
+        tokenizer: The model's tokenizer (with the chat template used in training).
+        prompts: Plain strings or conversations (lists of messages).
+        args: A `ReToolConfig` (system prompt, `chat_template_kwargs`).
+    """
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    # The attributes `_tokenize_prompts` reads, as a text-only GRPOTrainer without tools or environments sets them.
+    trainer_view = SimpleNamespace(
+        processing_class=tokenizer,
+        _is_vlm=False,
+        environment_factories=None,
+        tools=None,
+        chat_template=None,
+        chat_template_kwargs=args.chat_template_kwargs or {},
+    )
+    prompt_ids, _, _ = GRPOTrainer._tokenize_prompts(
+        trainer_view, with_system_prompt(list(prompts), args.resolved_system_prompt)
+    )
+    return [list(ids) for ids in prompt_ids]
 
 
 def generate_with_interpreter(
@@ -71,9 +85,9 @@ def generate_with_interpreter(
     backend = TransformersBackend(
         model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), args.code_end, eos_token_ids
     )
-    prompt_ids = tokenize_prompts(tokenizer, prompts, args.resolved_system_prompt)
+    prompt_ids = tokenize_prompts(tokenizer, prompts, args)
     own_sandbox = sandbox is None
-    sandbox = sandbox_from_config(args) if own_sandbox else sandbox
+    sandbox = sandbox_from_config(args) if own_sandbox else with_cell_limits(sandbox, args)
     try:
         parts = [
             interleaved_rollout(prompt_ids[i : i + batch_size], backend, sandbox, tokenizer, spec)

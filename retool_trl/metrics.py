@@ -7,12 +7,14 @@ import torch
 from .rollout import RolloutResult
 
 
-def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
+def rollout_metrics(result: RolloutResult, gather, device: torch.device | str | None = None) -> dict[str, float]:
     """Batch-level ReTool metrics, aggregated over all processes with `gather` (e.g. `accelerator.gather`).
 
     Args:
         result: The rollout of this process.
         gather: Concatenates a tensor across processes (identity on one process).
+        device: The process's device (`accelerator.device`). Every tensor handed to `gather` is built there: NCCL
+            (any multi-GPU run) refuses a tensor on the host.
     """
     per_row = torch.tensor(
         [
@@ -42,15 +44,16 @@ def rollout_metrics(result: RolloutResult, gather) -> dict[str, float]:
             )
         ],
         dtype=torch.float64,
+        device=device,
     ).reshape(-1, 10)
     rows = gather(per_row).cpu()
     # Fixed-size summaries: processes may run different numbers of snippets.
     exec_s = result.exec_seconds
-    latency = torch.tensor([[sum(exec_s), max(exec_s, default=0.0), len(exec_s)]], dtype=torch.float64)
+    latency = torch.tensor([[sum(exec_s), max(exec_s, default=0.0), len(exec_s)]], dtype=torch.float64, device=device)
     latency_sum, latency_max, num_exec = gather(latency).cpu().reshape(-1, 3).T
     # One entry per process: the engine calls of its rollout (every row of a rollout carries the same count).
     calls_per_rollout = sum(result.engine_calls) / len(result.engine_calls) if result.engine_calls else 0.0
-    engine_calls = gather(torch.tensor([calls_per_rollout], dtype=torch.float64)).cpu()
+    engine_calls = gather(torch.tensor([calls_per_rollout], dtype=torch.float64, device=device)).cpu()
     calls, errors, timeouts, infra, lines, interp_tokens, tokens, turns, void, failed = rows.sum(dim=0).tolist()
     n = max(len(rows), 1)
     metrics = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .prompts import SYSTEM_PROMPTS, Tags
+from .sandbox.cell_limits import ERROR_FORMATS
 
 TRUNCATION_SIDES = ("head", "tail", "middle")
 SANDBOX_BACKENDS = ("local", "remote")
@@ -49,6 +50,21 @@ class ReToolOptions:
         metadata={
             "help": "Part of a long interpreter output that is kept: 'head', 'tail' or 'middle' (elide the middle).",
             "choices": list(TRUNCATION_SIDES),
+        },
+    )
+    interpreter_errors: str = field(
+        default="traceback",
+        metadata={
+            "help": "How a failing cell is reported: 'traceback' (the whole error) or 'last_line' (only the exception "
+            "line, e.g. `NameError: name 'a' is not defined`; keeps interpreter blocks short for small budgets).",
+            "choices": list(ERROR_FORMATS),
+        },
+    )
+    max_cell_chars: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest cell (characters) the interpreter runs; a longer one is refused with `CellTooLong: over "
+            "N chars` and does not run. None: no limit."
         },
     )
     rollout_mode: str = field(
@@ -139,6 +155,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "max_tool_calls",
         "max_interpreter_output_chars",
         "interpreter_truncation",
+        "interpreter_errors",
         "system_prompt",
         "code_start",
         "code_end",
@@ -152,6 +169,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "sandbox_workers",
         "sandbox_timeout_s",
         "sandbox_memory_mb",
+        "max_cell_chars",
         "sandbox_url",
         "sandbox_max_concurrency",
         "sandbox_allow_root_without_isolation",

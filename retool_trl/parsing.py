@@ -6,12 +6,14 @@ Everything here works on strings; token-level work (the interpreter mask) lives 
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import astuple
 
 from .prompts import Tags, add_system_message
 
-_FENCE = re.compile(r"^\s*```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL | re.IGNORECASE)
+# ```python, ```python3, ```py, ```py3 (any case) or a bare ```.
+_FENCE = re.compile(r"^\s*```[ \t]*(?:python3?|py3?)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL | re.IGNORECASE)
 
 
 def strip_code_fence(code: str) -> str:
@@ -25,6 +27,8 @@ def extract_code(turn_text: str, tags: Tags = Tags()) -> str | None:
 
     A turn of generation stops right after `code_end`, so the block to run is the one that this tag closes: the text
     between the last `code_start` before it and the tag. A `code_end` with no `code_start` before it is not a call.
+    The block is read as a notebook cell would be: Windows line endings become `\n`, an optional fence is removed and
+    the indentation common to all its lines (a block indented under a list item) is taken off.
     """
     end = turn_text.find(tags.code_end)
     if end < 0:
@@ -32,7 +36,8 @@ def extract_code(turn_text: str, tags: Tags = Tags()) -> str | None:
     start = turn_text.rfind(tags.code_start, 0, end)
     if start < 0:
         return None
-    return strip_code_fence(turn_text[start + len(tags.code_start) : end]).strip("\n")
+    block = turn_text[start + len(tags.code_start) : end].replace("\r\n", "\n")
+    return textwrap.dedent(strip_code_fence(block).strip("\n"))
 
 
 def format_interpreter_block(output: str, tags: Tags = Tags()) -> str:

@@ -38,11 +38,12 @@ def reward_registry(max_completion_length: int | None = None) -> dict[str, Calla
         think_format_reward,
     )
 
-    from .rewards import boxed_accuracy
+    from .rewards import boxed_accuracy, boxed_accuracy_and_recovery
 
     length = max_completion_length or 1280
     return {
         "boxed_accuracy": boxed_accuracy,
+        "boxed_accuracy_and_recovery": boxed_accuracy_and_recovery,
         "accuracy_reward": accuracy_reward,
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,

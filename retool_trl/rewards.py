@@ -107,6 +107,52 @@ def boxed_accuracy(
     return rewards
 
 
+def boxed_accuracy_and_recovery(
+    completions: Sequence,
+    answer: Sequence[str],
+    model_text: Sequence[str] | None = None,
+    num_tool_errors: Sequence[int] | None = None,
+    log_metric=None,
+    *,
+    correct_reward: float = 1.0,
+    incorrect_reward: float = -1.0,
+    drop_infra_failures: bool = True,
+    tags: Tags = Tags(),
+    **kwargs,
+) -> list[float | None]:
+    """[`~retool_trl.rewards.boxed_accuracy`], also logging `retool/recovery_rate` (correct share of the step's
+    completions that had a failing cell) and `retool/failing_cell_ratio` (share that had one).
+
+    Recovery is what ReTool's multi-turn claim rests on: a model that reads an error and fixes its code. Correctness
+    for the log is judged like the reward (`is_correct`), not read back from reward values, which depend on the
+    configured `correct_reward`.
+
+    Args:
+        num_tool_errors: Failing cells per completion (from the rollout).
+        Others: as for `boxed_accuracy`.
+    """
+    settings = dict(correct_reward=correct_reward, incorrect_reward=incorrect_reward, tags=tags)
+    rewards = boxed_accuracy(
+        completions,
+        answer,
+        model_text=model_text,
+        log_metric=log_metric,
+        drop_infra_failures=drop_infra_failures,
+        **settings,
+        **kwargs,
+    )
+    if log_metric is not None and num_tool_errors is not None:
+        failing = [i for i, errors in enumerate(num_tool_errors) if errors]
+        log_metric("retool/failing_cell_ratio", len(failing) / max(len(num_tool_errors), 1))
+        if failing:
+            recovered = [
+                is_correct(completions[i], answer[i], model_text[i] if model_text is not None else None, tags)
+                for i in failing
+            ]
+            log_metric("retool/recovery_rate", sum(recovered) / len(recovered))
+    return rewards
+
+
 def tool_use_shaping(
     completions: Sequence,
     answer: Sequence[str],
@@ -135,7 +181,7 @@ def tool_use_shaping(
     return shaped
 
 
-BUILTIN_REWARDS = (boxed_accuracy, tool_use_shaping)
+BUILTIN_REWARDS = (boxed_accuracy, boxed_accuracy_and_recovery, tool_use_shaping)
 
 
 def bind_config(func: Callable, args) -> Callable:

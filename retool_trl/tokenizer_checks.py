@@ -7,6 +7,7 @@ those cases up front and names the fix.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -102,8 +103,14 @@ def declares_generic_tokenizer(path: str) -> bool:
         return False
 
 
-def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
+def load_tokenizer(
+    path: str, revision: str | None = None, trust_remote_code: bool = False, chat_template_path: str | None = None
+):
     """The tokenizer of a model folder or hub id, left-padded and left-truncated as TRL's GRPOTrainer loads it.
+
+    `chat_template_path` replaces its chat template with a Jinja file's (`.jinja`/`.j2`, as TRL's SFT reads it) or
+    with the template of another tokenizer (a folder or hub id). The trainer saves the tokenizer it trained with, so a
+    trained folder carries the template on to evaluation.
 
     A folder whose `tokenizer_config.json` declares a generic tokenizer (`TokenizersBackend`) is loaded as saved:
     transformers 5's `AutoTokenizer` would otherwise substitute the model type's class (e.g. `Qwen2Tokenizer` for a
@@ -117,12 +124,34 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         if type(tokenizer).__name__ not in _GENERIC_TOKENIZER_CLASSES and declares_generic_tokenizer(path):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
-        return tokenizer
     except (OSError, ValueError) as error:
         raise UserError(
             f"cannot load the tokenizer of {path!r}: {one_line(error).split('. ')[0]}; check "
             "model_name_or_path (a local folder or a hub id)."
         ) from None
+    if chat_template_path:
+        tokenizer.chat_template = _chat_template_from(chat_template_path, trust_remote_code)
+    return tokenizer
+
+
+def _chat_template_from(source: str, trust_remote_code: bool) -> str:
+    """The chat template in a Jinja file, or that of the tokenizer of a folder or hub id."""
+    if os.path.isfile(source):
+        return Path(source).read_text(encoding="utf-8")
+    from transformers import AutoTokenizer
+
+    try:
+        template = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code).chat_template
+    except (OSError, ValueError) as error:
+        template, why = None, one_line(error).split(". ")[0]
+    else:
+        why = "its tokenizer has no chat template"
+    if not template:
+        raise UserError(
+            f"chat_template_path {source!r} gives no chat template ({why}): give a .jinja file or a tokenizer "
+            "folder that has one."
+        )
+    return template
 
 
 __all__ = ["check_tokenizer", "declares_generic_tokenizer", "load_tokenizer"]

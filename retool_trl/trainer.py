@@ -28,7 +28,7 @@ from .names import resolve_model
 from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox.factory import sandbox_from_config
+from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 from .tokenizer_checks import declares_generic_tokenizer, load_tokenizer
 from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
@@ -88,6 +88,8 @@ class ReToolTrainer(GRPOTrainer):
     def sandbox(self):
         if self._sandbox is None:
             self._sandbox = sandbox_from_config(self.args)
+        # A sandbox given by the user gets the config's cell limits too (a no-op when set already or not asked for).
+        self._sandbox = with_cell_limits(self._sandbox, self.args)
         return self._sandbox
 
     def close_sandbox(self) -> None:
@@ -198,7 +200,7 @@ class ReToolTrainer(GRPOTrainer):
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
-        metrics = rollout_metrics(result, self.accelerator.gather)
+        metrics = rollout_metrics(result, self.accelerator.gather, self.accelerator.device)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
             .mean()

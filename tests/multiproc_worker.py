@@ -1,4 +1,5 @@
-"""One training process of the multi-process engine tests (run by `torchrun`, gloo backend, CPU).
+"""One training process of the multi-process engine tests (run by `torchrun`, gloo backend, CPU, with every
+collective checked as NCCL checks it: `nccl_harness`).
 
     torchrun --nproc_per_node 2 tests/multiproc_worker.py MODE OUT_DIR [SERVER_URL]
 
@@ -21,6 +22,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from nccl_harness import nccl_faithful  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
 
 from retool_trl import ReToolConfig, ReToolTrainer  # noqa: E402
@@ -124,7 +126,9 @@ def train_scripted(out_dir: Path, rank: int, world: int) -> dict:
         engine_calls = []
         original_rollout = trainer._generate_rollout
         trainer._generate_rollout = lambda ids: _note(original_rollout(ids), engine_calls)
-        trainer.train()
+        # gloo accepts host tensors; the GPU runs this stands for use NCCL, which does not.
+        with nccl_faithful():
+            trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"completions": seen, "losses": losses, "engine_calls": engine_calls}
 
@@ -165,7 +169,8 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
             completions[mode] = seen = {}
             generate = trainer._generate
             record(trainer, seen)
-            trainer._generate(prompts_by_rank[rank])
+            with nccl_faithful():
+                trainer._generate(prompts_by_rank[rank])
             trainer._generate = generate
     return {"completions": completions, "losses": []}
 

@@ -8,6 +8,7 @@ import yaml
 from retool_trl.cli.sft import parse_sft_args
 from retool_trl.cli.train import build_train, parse_train_args
 from retool_trl.data import find_known_dataset, is_local_dataset
+from retool_trl.data.adapters import SYNTHETIC_NAMES
 from testing_utils import make_char_tokenizer, save_tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -54,14 +55,16 @@ def test_train_configs_build_arguments(path, tiny_model, tmp_path):
             assert getattr(args, key) == pytest.approx(float(raw[key])), key
     for name in (script_args.dataset_name, script_args.eval_dataset_name):
         if name:
-            assert name == "synthetic" or find_known_dataset(name) or is_local_dataset(name), name
+            assert name in SYNTHETIC_NAMES or find_known_dataset(name) or is_local_dataset(name), name
     if model_args.use_peft:
         from trl import get_peft_config
 
         assert get_peft_config(model_args).r == model_args.lora_r
 
 
-@pytest.mark.parametrize("path", [p for p in TRAIN_CONFIGS if p.name != "quickstart.yaml"], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in TRAIN_CONFIGS if not p.name.startswith("quickstart")], ids=lambda p: p.name
+)
 def test_gpu_configs_follow_the_paper(path):
     """The settings the configs attribute to ReTool: no KL, 512 completions per optimizer step on the GPUs they
     are written for, DAPO-Math-17k training with AIME 2024 evaluation, vLLM colocated, bf16."""
@@ -126,3 +129,55 @@ def test_quickstart_config_matches_the_quickstart_command():
     for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
         assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
     assert int(raw["dataset_config"]) == quickstart.QuickstartTask().difficulty
+
+
+def test_multiturn_config_matches_the_quickstart_command():
+    """configs/quickstart_multiturn.yaml is the `tool_rl` run of `retool-trl quickstart --task multiturn`."""
+    from retool_trl.quickstart import MULTITURN_DEFAULTS, MultiturnTask, QuickstartArguments
+
+    defaults, task = QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS), MultiturnTask()
+    raw = yaml.safe_load((CONFIGS / "quickstart_multiturn.yaml").read_text())
+    assert raw["per_device_train_batch_size"] == defaults.prompts_per_step * defaults.num_generations
+    for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
+        assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
+    for key in ("max_cell_chars", "max_tool_calls", "max_interpreter_output_chars"):
+        assert raw[key] == getattr(task, key), key
+    assert raw["interpreter_errors"] == "last_line" and raw["dataset_name"] == "multiturn"
+
+
+def test_multiturn_config_trains(tmp_path):
+    """`retool-trl train --config configs/quickstart_multiturn.yaml` with the shipped model, the real sandbox and
+    the task's cell budget: two short steps, the cell limit reaches the rollout, recovery is logged."""
+    trainer = build_train(
+        [
+            "--config",
+            str(CONFIGS / "quickstart_multiturn.yaml"),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "16",
+            "--max_train_samples",
+            "32",
+        ]
+    )
+    seen = []
+    original = trainer._generate_rollout
+    trainer._generate_rollout = lambda ids: seen.append(original(ids)) or seen[-1]
+    try:
+        trainer.train()
+    finally:
+        trainer.close_sandbox()
+    assert trainer.state.global_step == 2
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"retool/failing_cell_ratio", "rewards/boxed_accuracy_and_recovery/mean"} <= logged
+    texts = [trainer._tokenizer.decode(ids) for result in seen for ids in result.completion_ids]
+    calls = sum(text.count("<interpreter>") for text in texts)
+    assert calls > 0
+    # Every interpreter block is what the task's interpreter returns: a refused long cell, a one-line error or a
+    # value; never a multi-line traceback.
+    for text in texts:
+        for block in text.split("<interpreter>")[1:]:
+            body = block.split("</interpreter>")[0]
+            assert body.count("\n") <= 1, body

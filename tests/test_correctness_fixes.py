@@ -170,6 +170,18 @@ def test_beam_search_error_says_what_prevents_it(tmp_path):
         ReToolConfig(**base, generation_kwargs={"num_return_sequences": 2})
 
 
+def test_generation_kwargs_from_the_command_line_are_checked_too(tmp_path):
+    """`--generation_kwargs '{"num_beams": 4}'` arrives as a JSON string that TRL parses after our checks ran."""
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"num_beams'\] must be 1"):
+        ReToolConfig(**base, generation_kwargs='{"num_beams": 4}')
+    with pytest.raises(ValueError, match=r"num_return_sequences'\] must be 1"):
+        ReToolConfig(**base, generation_kwargs='{"num_return_sequences": 2}')
+    with pytest.raises(ValueError, match="generation_kwargs must be a mapping .* or a JSON object"):
+        ReToolConfig(**base, generation_kwargs="top_k=20")
+    assert ReToolConfig(**base, generation_kwargs='{"top_k": 20}').generation_kwargs == {"top_k": 20}
+
+
 @pytest.mark.parametrize(
     "tags", [Tags("[[[", "]]]", "{{{", "}}}"), Tags("<code>", "</code>", "<interpreter>", "</interpreter>")]
 )

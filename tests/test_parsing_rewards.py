@@ -97,3 +97,22 @@ def test_boxed_accuracy_logs_accuracy_with_and_without_code():
 
 def test_final_answer_of_truncated_code_is_none():
     assert final_answer("so <code>print('\\\\boxed{3}')") is None
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        "\n    x = 6 * 7\n    print(x)\n",  # indented under a list item
+        "\n  ```python\n  x = 6 * 7\n  print(x)\n  ```\n",  # an indented fence
+        "```python\r\nx = 6 * 7\r\nprint(x)\r\n```",  # Windows line endings
+        "\r\nx = 6 * 7\r\nif x:\r\n    print(x)\r\n",
+        "```py\nx = 6 * 7\nprint(x)\n```",
+        "```py3\nx = 6 * 7\nprint(x)\n```",
+        "```Python3\nx = 6 * 7\nprint(x)\n```",
+    ],
+)
+def test_code_blocks_as_models_write_them_run(block, capsys):
+    """Python itself is the judge: the extracted code compiles and prints 42, as the model meant."""
+    code = extract_code(f"Let me compute.<code>{block}</code>")
+    exec(compile(code, "<cell>", "exec"), {})
+    assert capsys.readouterr().out == "42\n"

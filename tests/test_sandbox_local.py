@@ -134,6 +134,32 @@ def test_exception_traceback_is_short_and_hides_host_paths(sandbox):
     s.close()
 
 
+@pytest.mark.parametrize(
+    ("cell", "ok", "last_line"),
+    [
+        ("raise ValueError(chr(0xDFFF))", False, "ValueError: \ufffd"),
+        ("import sys\nsys.exit(chr(0xDFFF))", False, "SystemExit: \ufffd"),
+        ("import sys\nprint(chr(0xDFFF), file=sys.stderr)", True, "?"),
+        ("print(chr(0xD800) + 'x')", True, "?x"),
+    ],
+)
+def test_lone_surrogates_reach_the_model_as_valid_text(sandbox, cell, ok, last_line):
+    """A cell's exception message, SystemExit code or stderr holding a lone surrogate (`chr(0xDFFF)`: what a string
+    built from undecodable bytes holds) still gives valid UTF-8 text: the model's prompt must stay encodable."""
+    s = sandbox.session()
+    r = s.run(cell)
+    r.output.encode("utf-8")  # strict
+    assert r.ok is ok and r.output.rstrip("\n").splitlines()[-1] == last_line
+    s.close()
+
+
+def test_exec_result_output_is_always_valid_text():
+    """Whatever path builds a result (a status from the jail, a service's JSON), its output is valid UTF-8 text."""
+    r = ExecResult("ValueError: \udfff\ud800", ok=False, timed_out=False, duration_s=0.0)
+    assert r.output == "ValueError: \ufffd\ufffd" and r.output.encode("utf-8")
+    assert ExecResult("plain é\n", ok=True, timed_out=False, duration_s=0.0).output == "plain é\n"
+
+
 def test_multiline_exception_message_ends_with_one_line(sandbox):
     s = sandbox.session()
     r = s.run("raise ValueError('first\\nsecond')")

@@ -1,101 +1,17 @@
-"""`RemoteSandbox` against a small SandboxFusion-like server on 127.0.0.1 (stdlib http.server + subprocess)."""
+"""`RemoteSandbox` against a small SandboxFusion-like server on 127.0.0.1 that behaves like the real one where it
+matters (tests/fake_sandboxfusion.py says how)."""
 
 import email.utils
-import json
-import subprocess
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_sandboxfusion import FakeSandboxFusion
 
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
 from retool_trl.sandbox import remote as remote_module
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeSandboxFusion(ThreadingHTTPServer):
-    """Runs each request's code in a fresh `python -I`, like SandboxFusion's `run_code`; can be told to fail."""
-
-    daemon_threads = True
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.requests = []
-        # Consumed one per request: "sandbox_error", "garbage", "drop" (close without a reply) or an HTTP status,
-        # optionally with a Retry-After value ("503:2").
-        self.failures = []
-        self.lock = threading.Lock()
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, status, body, retry_after=""):
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        if retry_after:
-            self.send_header("Retry-After", retry_after)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self):
-        server = self.server
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with server.lock:
-            server.requests.append((self.path, request))
-            failure = server.failures.pop(0) if server.failures else None
-        if self.path != "/run_code":
-            return self._reply(404, {"detail": "not found"})
-        if failure == "drop":
-            self.close_connection = True
-            return None
-        if failure and failure[0].isdigit():
-            status, _, retry_after = failure.partition(":")
-            return self._reply(int(status), {"detail": "failure"}, retry_after)
-        if failure == "garbage":
-            return self._reply(200, b"<html>proxy error</html>")
-        if failure == "sandbox_error":
-            return self._reply(200, {"status": "SandboxError", "message": "executor pod died", "run_result": None})
-        start = time.monotonic()
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-c", request["code"]],
-                capture_output=True,
-                text=True,
-                errors="surrogateescape",
-                timeout=float(request["run_timeout"]),
-            )
-            run = {"status": "Finished", "return_code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
-        except subprocess.TimeoutExpired as exc:
-            run = {
-                "status": "TimeLimitExceeded",
-                "return_code": None,
-                "stdout": (exc.stdout or b"").decode(errors="replace"),
-                "stderr": (exc.stderr or b"").decode(errors="replace"),
-            }
-        run["execution_time"] = time.monotonic() - start
-        ok = run["status"] == "Finished" and run["return_code"] == 0
-        self._reply(
-            200,
-            {
-                "status": "Success" if ok else "Failed",
-                "message": "",
-                "compile_result": None,
-                "run_result": run,
-                "executor_pod_name": None,
-                "files": {},
-            },
-        )
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +45,7 @@ def test_state_is_replayed_silently(sandbox, server):
     assert second.ok and second.output == "43\n"  # cell 1's print is not repeated
     path, request = server.requests[-1]
     assert path == "/run_code" and request["language"] == "python" and request["run_timeout"] >= 3.0
+    assert request["memory_limit_MB"] == 1024  # the service enforces the session's memory limit too
     other = sandbox.session()
     r = other.run("print(x)")
     assert not r.ok and _last_line(r) == "NameError: name 'x' is not defined"
@@ -209,6 +126,64 @@ def test_requests_run_concurrently_and_in_order(sandbox):
     s = sessions[0]
     ordered = sandbox.run_many([(s, "a = 1"), (s, "a += 1"), (s, "print(a)")])
     assert ordered[2].output == "2\n"
+
+
+def test_config_gives_the_remote_backend_the_local_limits(server):
+    """A training config's memory limit and output bound reach the remote backend, as they reach the local one."""
+    from types import SimpleNamespace
+
+    from retool_trl.sandbox.factory import sandbox_from_config
+
+    args = SimpleNamespace(
+        sandbox_backend="remote",
+        sandbox_url=server.url,
+        sandbox_timeout_s=2.0,
+        sandbox_memory_mb=768,
+        max_interpreter_output_chars=2000,
+        sandbox_max_concurrency=4,
+    )
+    with sandbox_from_config(args) as sb:
+        assert (sb.timeout_s, sb.memory_mb, sb.max_output_chars) == (2.0, 768, 8000)
+
+
+def test_a_cell_that_kills_the_program_is_a_crash(sandbox):
+    """The program that reports on the cell runs in the cell's reach (same uid): killing it is the cell's crash."""
+    s = sandbox.session()
+    r = s.run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+    assert not r.ok and not r.infra_error and not r.timed_out
+    assert _last_line(r) == "SystemError: the interpreter process exited with code -9" and s.broken
+
+
+def test_the_report_fits_what_the_service_reads(server):
+    """However large the output bound, the program's report stays under the ~200 KB the service reads (past it, the
+    real service stalls the process and reports a time-out): characters that JSON escapes 6-fold included."""
+    with RemoteSandbox(server.url, timeout_s=5.0, max_output_chars=100_000) as sb:
+        s = sb.session()
+        r = s.run("print('\\x01' * 1_000_000)")
+        assert r.ok and not r.timed_out and not s.broken, r.output[-200:]
+        assert r.output.startswith("\x01\x01") and r.output.endswith("\x01\n") and "characters elided" in r.output
+        assert s.run("print('next')").output == "next\n"
+
+
+def _post(server, code, **extra):
+    import httpx
+
+    body = {"code": code, "language": "python", "run_timeout": 2.0, **extra}
+    return httpx.post(f"{server.url}/run_code", json=body, timeout=30).json()["run_result"]
+
+
+def test_the_fake_service_behaves_like_sandboxfusion(server):
+    """The fake keeps what the real SandboxFusion server was seen to do (so that the tests above hold the client to
+    it): stack limit = memory limit, strict stdout encoding, strict decoding, the ~200 KB output stall."""
+    stack = _post(server, "import resource\nprint(resource.getrlimit(resource.RLIMIT_STACK)[0])", memory_limit_MB=512)
+    assert stack["stdout"] == f"{512 * 2**20}\n"
+    surrogate = _post(server, "print(chr(0xD800))")
+    assert surrogate["return_code"] == 1 and "UnicodeEncodeError" in surrogate["stderr"]
+    raw = _post(server, "import sys\nsys.stdout.buffer.write(b'ok \\xff')")
+    assert raw["return_code"] == 0 and raw["stdout"].startswith("[DecodeError] 'utf-8' codec can't decode byte 0xff")
+    flood = _post(server, "print('x' * 1_000_000)", run_timeout=1.0)
+    assert flood["status"] == "TimeLimitExceeded" and flood["return_code"] is None
+    assert 100_000 < len(flood["stdout"]) < 250_000
 
 
 def test_build_and_lifecycle(server):
@@ -349,3 +324,73 @@ def test_the_model_sees_the_same_text_from_both_backends(server):
         for cell in NOTEBOOK:
             ours, theirs = a.run(cell), b.run(cell)
             assert (theirs.output, theirs.ok) == (ours.output, ours.ok), cell
+
+
+# Sessions of cells on which the real SandboxFusion server and `LocalSandbox` were seen to differ, and their
+# neighbours: each session runs in order, through both backends (1024 MB, 500 output characters, the time limit
+# below: short where the time limit is what is tested, else long enough for a loaded machine).
+PARITY_SESSIONS = {
+    # No memory limit reached the service: 3 GB succeeded remotely. Local: MemoryError, and the session ends.
+    "memory limit": ["x = 1", "big = bytearray(3 * 2**30)", "print(x)"],
+    # With the service's memory limit its stack limit is as large: every thread reserves that much address space.
+    "threads under the memory limit": [
+        "import numpy as np\nprint(np.arange(4).sum())",
+        "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()",
+    ],
+    # The last cell sleeps past its own limit; the kept cells' run time (replayed, and the interpreter's start-up)
+    # used to be added to the service's limit, so it ran to the end remotely.
+    "time limit": ["import time\ntime.sleep(0.5)", "time.sleep(0.5)", "time.sleep(0.5)", "time.sleep(1.5)"],
+    "time-out after partial output": ["import sys\nprint('partial', end='')\nsys.stdout.flush()\nwhile True: pass"],
+    # The service's interpreter encodes stdout strictly and the service decodes it strictly.
+    "unencodable text and undecodable bytes": [
+        "print(chr(0xD800))",
+        "print('a\\udcff b')",
+        "import sys\nsys.stdout.buffer.write(b'ok \\xff\\n')",
+        "import os\nos.write(1, b'native \\xfe\\n')",
+        "print('after')",
+    ],
+    # The service stops reading at about 200 KB and reports a time-out.
+    "large output": [
+        "print('x' * 1_000_000)",
+        "for i in range(100_000):\n    print(i)",
+        "import os\nos.write(1, b'y' * 300_000)",
+        "print('still here')",
+    ],
+    # Lone surrogates on every path out of a cell: a traceback, stderr, SystemExit, the source itself.
+    "lone surrogates": [
+        "raise ValueError(chr(0xDFFF))",
+        "import sys\nprint(chr(0xDFFF), file=sys.stderr)",
+        "import sys\nsys.exit(chr(0xDFFF))",
+        "s = '\udfff'\nprint(len(s))",
+        "print('ok')",
+    ],
+    "crashes": ["import os\nos._exit(7)"],
+}
+PARITY_TIMEOUT_S = {"time limit": 1.0, "time-out after partial output": 1.0}
+
+
+@pytest.mark.parametrize("name", list(PARITY_SESSIONS))
+def test_same_cells_same_results_as_local(server, name):
+    """What the model sees (output, ok, timed_out, infra_error) is the same from `LocalSandbox` and from a service that
+    behaves like SandboxFusion, cell by cell, for the cases where the real service was seen to differ; and every
+    output is valid UTF-8 text, whatever the cell printed or raised."""
+    from retool_trl.sandbox import LocalSandbox
+
+    server.failures.clear()
+    limits = dict(timeout_s=PARITY_TIMEOUT_S.get(name, 3.0), memory_mb=1024, max_output_chars=500)
+    with (
+        LocalSandbox(num_workers=1, preload=(), **limits) as local,
+        RemoteSandbox(server.url, **limits) as remote,
+    ):
+        a, b = local.session(), remote.session()
+        for cell in PARITY_SESSIONS[name]:
+            ours, theirs = a.run(cell), b.run(cell)
+            ours.output.encode("utf-8")
+            theirs.output.encode("utf-8")
+            assert (theirs.output, theirs.ok, theirs.timed_out, theirs.infra_error) == (
+                ours.output,
+                ours.ok,
+                ours.timed_out,
+                ours.infra_error,
+            ), cell
+            assert b.broken == a.broken, cell

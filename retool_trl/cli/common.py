@@ -17,6 +17,11 @@ PROMPT_FORMAT_HELP = (
 PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
 CONSOLE_CHOICES = ["compact", "dicts"]
 
+CHAT_TEMPLATE_PATH_HELP = (
+    "A chat template to use instead of the tokenizer's: a Jinja file (.jinja, .j2), or a tokenizer folder or hub id "
+    "that has one. Give evaluation the same template as training (a trained model's folder already carries it)."
+)
+
 
 def set_console(trainer, console: str) -> None:
     """The training console: `compact` replaces TRL's log dicts with [`~retool_trl.console.CompactProgressCallback`]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError, one_line
 from .common import (
+    CHAT_TEMPLATE_PATH_HELP,
     PROG,
     PROMPT_FORMAT_CHOICES,
     PROMPT_FORMAT_HELP,
@@ -49,6 +50,7 @@ class EvalArguments:
     dtype: str = field(
         default="auto", metadata={"help": "Model dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]}
     )
+    chat_template_path: str | None = field(default=None, metadata={"help": CHAT_TEMPLATE_PATH_HELP})
     pad_token: str | None = field(default=None, metadata={"help": "Pad token to set when the tokenizer has none."})
     name: str | None = field(default=None, metadata={"help": "Base name of the result files (default: 'results')."})
 
@@ -64,6 +66,8 @@ SAMPLING_FIELDS = (
     "generation_kwargs",
     "seed",
 )
+# How prompts become token ids: the same as in training (`inference.tokenize_prompts`).
+PROMPT_FIELDS = ("chat_template_kwargs",)
 INTERPRETER_FIELDS = (
     "code_start",
     "code_end",
@@ -91,7 +95,7 @@ def _settings_class():
     hints = typing.get_type_hints(ReToolConfig)
     by_name = {f.name: f for f in dataclasses.fields(ReToolConfig)}
     specs = []
-    for name in (*SAMPLING_FIELDS, *INTERPRETER_FIELDS, *OUTPUT_FIELDS):
+    for name in (*SAMPLING_FIELDS, *PROMPT_FIELDS, *INTERPRETER_FIELDS, *OUTPUT_FIELDS):
         source = by_name[name]
         metadata = dict(source.metadata)
         if name in _OVERRIDES:
@@ -153,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
         raise UserError("num_samples and batch_size must be >= 1.")
     model_path = resolve_model_path(eval_args.model, "model")
     check_dataset_name(eval_args.dataset, "--dataset")  # typos fail here, before any hub call
-    tokenizer = load_tokenizer(model_path, None, config.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, None, config.trust_remote_code, eval_args.chat_template_path)
     check_tokenizer(
         tokenizer,
         model_path,

@@ -14,6 +14,7 @@ from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError
 from .common import (
+    CHAT_TEMPLATE_PATH_HELP,
     CONSOLE_CHOICES,
     PROG,
     PROMPT_FORMAT_CHOICES,
@@ -88,6 +89,7 @@ class TrainScriptArguments(ScriptArguments):
         default=None, metadata={"help": "Split of eval_dataset_name (default: the dataset's usual split)."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation problems."})
+    chat_template_path: str | None = field(default=None, metadata={"help": CHAT_TEMPLATE_PATH_HELP})
     pad_token: str | None = field(
         default=None, metadata={"help": "Pad token to set when the tokenizer has none (e.g. its EOS token)."}
     )
@@ -172,7 +174,9 @@ def build_train(argv: Sequence[str]):
     if script_args.eval_dataset_name:
         check_dataset_name(script_args.eval_dataset_name, "eval_dataset_name")
 
-    tokenizer = load_tokenizer(model_path, model_args.model_revision, training_args.trust_remote_code)
+    tokenizer = load_tokenizer(
+        model_path, model_args.model_revision, training_args.trust_remote_code, script_args.chat_template_path
+    )
     tags = vars(Tags.from_config(training_args))
     check_tokenizer(
         tokenizer,

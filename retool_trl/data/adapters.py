@@ -174,7 +174,8 @@ def find_known_dataset(name: str) -> DatasetSpec | None:
     return None
 
 
-SYNTHETIC_NAMES = ("synthetic", "retool_trl/synthetic", "arithmetic")
+# The project's own seeded tasks: arithmetic (difficulty in `config_name`), then the multi-turn quickstart's task.
+SYNTHETIC_NAMES = ("synthetic", "retool_trl/synthetic", "arithmetic", "multiturn", "retool_trl/multiturn")
 
 
 def check_dataset_name(name: str, option: str = "dataset_name") -> None:
@@ -184,7 +185,7 @@ def check_dataset_name(name: str, option: str = "dataset_name") -> None:
         return
     from ..names import check_hub_id
 
-    check_hub_id(name, "dataset", option, [*KNOWN_DATASETS, *_ALIASES, "synthetic"], error=DataError)
+    check_hub_id(name, "dataset", option, [*KNOWN_DATASETS, *_ALIASES, "synthetic", "multiturn"], error=DataError)
 
 
 def is_local_dataset(name: str) -> bool:
@@ -304,8 +305,9 @@ def load_math_dataset(
     """Loads a math dataset and maps it to `prompt` + `answer` (see the module docstring).
 
     Args:
-        name (`str`): A known dataset (`dapo_math`, `aime_2024`, `aime_2025`, `math500`, `gsm8k`, `synthetic`, or
-            their hub ids), any other hub id, or a local `.jsonl`/`.json`/`.parquet`/`.csv` file or folder.
+        name (`str`): A known dataset (`dapo_math`, `aime_2024`, `aime_2025`, `math500`, `gsm8k`, their hub ids,
+            `synthetic` arithmetic or the `multiturn` task of the multi-turn quickstart), any other hub id, or a
+            local `.jsonl`/`.json`/`.parquet`/`.csv` file or folder.
         split (`str`, *optional*): Split to load (default: the dataset's usual one; `train` for local files, whose
             files are all loaded).
         config_name (`str`, *optional*): Hub configuration. For `synthetic`, the difficulty (e.g. `"2"`).
@@ -334,10 +336,13 @@ def load_math_dataset(
 
     check_dataset_name(name, option)
     if name.strip().lower() in SYNTHETIC_NAMES:
-        from .synthetic import make_arithmetic_dataset
+        from .synthetic import make_arithmetic_dataset, make_multiturn_dataset
 
-        difficulty = int(config_name) if config_name else 2
-        raw = make_arithmetic_dataset(max_samples or 512, seed=seed, difficulty=difficulty, split=split or "train")
+        if name.strip().lower() in SYNTHETIC_NAMES[3:]:
+            raw = make_multiturn_dataset(max_samples or 512, seed=seed, split=split or "train")
+        else:
+            difficulty = int(config_name) if config_name else 2
+            raw = make_arithmetic_dataset(max_samples or 512, seed=seed, difficulty=difficulty, split=split or "train")
         to_example, source = _generic_mapping(raw.column_names, None, None, "synthetic"), "synthetic"
     else:
         spec = None if is_local_dataset(name) else find_known_dataset(name)

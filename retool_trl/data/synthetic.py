@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
+from ..sandbox.cell_limits import cell_too_long_error as sandbox_cell_too_long_error
+
 KINDS = ("product", "sum", "mod")
 PROMPT_TEMPLATE = "What is {expression}?\n"
 DEFAULT_TEST_FRACTION = 0.2
@@ -251,8 +253,8 @@ FAILURES = ("undefined_name", "too_long", "typo", "wrong_name")
 
 
 def cell_too_long_error(max_chars: int = MULTITURN_CELL_CHARS) -> str:
-    """The interpreter's reply to a cell over the budget (what `retool_trl.quickstart.multiturn` returns)."""
-    return f"CellTooLong: over {max_chars} chars\n"
+    """The interpreter's reply to a cell over the budget (`ReToolConfig.max_cell_chars`)."""
+    return sandbox_cell_too_long_error(max_chars)
 
 
 def sample_multiturn_problem(rng: random.Random) -> Problem:
@@ -274,13 +276,20 @@ def sample_multiturn_problems(
     return _draw_distinct(n, lambda: sample_multiturn_problem(rng), split, test_fraction, "multi-turn problems")
 
 
+def make_multiturn_dataset(
+    n: int, seed: int = 0, split: str = "train", test_fraction: float = DEFAULT_TEST_FRACTION
+) -> Dataset:
+    """`n` multi-turn problems of one side of the split (`"train"` or `"test"`), columns as [`make_splits`]'s."""
+    return _to_dataset(sample_multiturn_problems(n, seed, split, test_fraction))
+
+
 def make_multiturn_splits(
     n_train: int, n_test: int, seed: int = 0, test_fraction: float = DEFAULT_TEST_FRACTION
 ) -> DatasetDict:
     """`DatasetDict(train=..., test=...)` of disjoint multi-turn problems (columns as [`make_splits`])."""
     return DatasetDict(
-        train=_to_dataset(sample_multiturn_problems(n_train, seed, "train", test_fraction)),
-        test=_to_dataset(sample_multiturn_problems(n_test, seed + 1, "test", test_fraction)),
+        train=make_multiturn_dataset(n_train, seed, "train", test_fraction),
+        test=make_multiturn_dataset(n_test, seed + 1, "test", test_fraction),
     )
 
 

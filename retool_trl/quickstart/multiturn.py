@@ -13,15 +13,15 @@ recover; RL without it cannot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data.synthetic import MULTITURN_CELL_CHARS, cell_too_long_error
+from ..data.synthetic import MULTITURN_CELL_CHARS
 from ..plotting import Panel
-from ..rewards import boxed_accuracy, is_correct
+from ..rewards import boxed_accuracy_and_recovery
 from ..run_logs import accuracy_of
-from ..sandbox import ExecResult
+from ..sandbox.cell_limits import CellLimits
 from .plan import TaskPlan
 
 MULTITURN_MODEL_DIR = Path(__file__).parent.parent / "assets" / "multiturn_model"
@@ -64,50 +64,18 @@ class MultiturnTask:
     )
 
 
-class CellBudgetSandbox:
-    """A sandbox that refuses cells over `max_cell_chars` and reports a failing cell by its exception line only.
-
-    Wraps any `retool_trl.sandbox` backend (sessions are the wrapped backend's). A refused cell does not run, so the
-    session's state is unchanged, and its result is an ordinary failed cell (`ok=False`), never an infrastructure
-    error. Keeping only the last line of a traceback (`NameError: name 'a' is not defined`) keeps interpreter blocks
-    short for a model with a 144-token budget, and makes them exactly what the cold-start traces show.
+class CellBudgetSandbox(CellLimits):
+    """The multi-turn task's interpreter: cells over `max_cell_chars` are refused, and a failing cell is reported by
+    its exception line only, exactly as the cold-start traces show it ([`CellLimits`] with `errors="last_line"`; the
+    `max_cell_chars` and `interpreter_errors="last_line"` fields of `ReToolConfig` give the same in a config).
 
     Args:
-        sandbox: The wrapped backend (`session()`, `run_many()`, `close()`).
+        sandbox: The wrapped backend.
         max_cell_chars (`int`): Longest cell that runs.
     """
 
     def __init__(self, sandbox, max_cell_chars: int = MULTITURN_CELL_CHARS):
-        if max_cell_chars < 1:
-            raise ValueError(f"max_cell_chars must be >= 1, got {max_cell_chars}.")
-        self.sandbox = sandbox
-        self.max_cell_chars = max_cell_chars
-
-    def session(self):
-        return self.sandbox.session()
-
-    def run_many(self, pairs: Iterable[tuple[object, str]]) -> list[ExecResult]:
-        pairs = list(pairs)
-        allowed = [k for k, (_, code) in enumerate(pairs) if len(code) <= self.max_cell_chars]
-        ran = iter(self.sandbox.run_many([pairs[k] for k in allowed]) if allowed else [])
-        refused = ExecResult(cell_too_long_error(self.max_cell_chars), ok=False, timed_out=False, duration_s=0.0)
-        results = []
-        for k in range(len(pairs)):
-            result = next(ran) if k in allowed else refused
-            if not result.ok and not result.infra_error and k in allowed:
-                lines = [line for line in result.output.splitlines() if line.strip()]
-                result = ExecResult(
-                    f"{lines[-1].strip()}\n" if lines else "",
-                    result.ok,
-                    result.timed_out,
-                    result.duration_s,
-                    result.infra_error,
-                )
-            results.append(result)
-        return results
-
-    def close(self) -> None:
-        self.sandbox.close()
+        super().__init__(sandbox, max_cell_chars, errors="last_line")
 
 
 def recovery_rate(records: Sequence[dict]) -> tuple[float | None, int]:
@@ -132,28 +100,6 @@ def multiturn_eval_metrics(report) -> dict:
         "recovery_rate": rate,
         "failing_completions": failing,
     }
-
-
-def boxed_accuracy_and_recovery(
-    completions, answer, model_text=None, num_tool_errors=None, log_metric=None, **kwargs
-) -> list:
-    """[`~retool_trl.rewards.boxed_accuracy`], also logging `retool/recovery_rate` (correct share of the step's
-    completions that had a failing cell) and `retool/failing_cell_ratio` (share that had one).
-
-    Correctness for the log is judged like the reward (`is_correct`, the quickstart's default tags), not read back
-    from reward values, which depend on the configured `correct_reward`.
-    """
-    rewards = boxed_accuracy(completions, answer, model_text=model_text, log_metric=log_metric, **kwargs)
-    if log_metric is not None and num_tool_errors is not None:
-        failing = [i for i, errors in enumerate(num_tool_errors) if errors]
-        log_metric("retool/failing_cell_ratio", len(failing) / max(len(num_tool_errors), 1))
-        if failing:
-            recovered = [
-                is_correct(completions[i], answer[i], model_text[i] if model_text is not None else None)
-                for i in failing
-            ]
-            log_metric("retool/recovery_rate", sum(recovered) / len(recovered))
-    return rewards
 
 
 # ----------------------------------------------------------------------------------------------- the quickstart run
@@ -197,12 +143,14 @@ def multiturn_plan(args) -> TaskPlan:
         task=task,
         model=args.model or multiturn_model_path(),
         splits=splits,
-        wrap_sandbox=lambda sandbox: CellBudgetSandbox(sandbox, task.max_cell_chars),
         run_kwargs={
             "reward_funcs": [boxed_accuracy_and_recovery],
             "eval_metrics": multiturn_eval_metrics,
             "max_tool_calls": task.max_tool_calls,
             "max_interpreter_output_chars": task.max_interpreter_output_chars,
+            # The per-cell budget and the one-line errors of the cold-start traces (`CellBudgetSandbox`).
+            "max_cell_chars": task.max_cell_chars,
+            "interpreter_errors": "last_line",
         },
         panels=MULTITURN_PANELS,
         table=multiturn_table,

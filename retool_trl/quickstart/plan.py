@@ -124,7 +124,6 @@ class TaskPlan:
         splits: `{"train": Dataset, "test": Dataset}`.
         panels (`tuple`): Plot panels (`retool_trl.plotting.plot_comparison`).
         table (`Callable[[dict], str]`): The console table of the summary.
-        wrap_sandbox (`Callable`, *optional*): Wraps the sandbox every run and evaluation uses.
         run_kwargs (`dict`): Extra `train_run` arguments (reward functions, `eval_metrics`, `ReToolConfig` fields).
     """
 
@@ -133,5 +132,4 @@ class TaskPlan:
     splits: object
     panels: tuple
     table: object
-    wrap_sandbox: object = None
     run_kwargs: dict = field(default_factory=dict)

@@ -16,6 +16,7 @@ from ..plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
 from .plan import RUNS, TASKS, QuickstartArguments, rl_config
+from .seeds import parse_seeds, run_seeds
 
 # Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
 # sets none.
@@ -127,7 +128,6 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
     # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
     sandbox = sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
-    sandbox = plan.wrap_sandbox(sandbox) if plan.wrap_sandbox else sandbox
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
@@ -189,13 +189,26 @@ def main(argv: list[str] | None = None) -> int:
     # `--max_steps` as `retool-trl train` spells its options, and `--max-steps` as argparse's: both are accepted.
     names = {f"--{f.name}": f"--{f.name.replace('_', '-')}" for f in fields(QuickstartArguments)}
     argv = [names.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]) :] for a in (argv or [])]
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="Run once per seed (e.g. 0-4 or 0,2,7) into OUTPUT_DIR/seed{N}/, then write seeds.json, seeds.md (mean, "
+        "min, max) and seeds.png across them. Overrides --seed.",
+    )
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    seeds = options.pop("seeds", None)
     try:
+        if seeds is not None:
+            seeds = parse_seeds(seeds)
+            options.pop("seed", None)
         defaults = PLANS.get(options.get("task", "arithmetic"), PLANS["arithmetic"])[1]
         QuickstartArguments(**{**defaults, **options})  # bad values are reported before any work starts
     except ValueError as error:
         raise UserError(str(error)) from None
     if options.get("model") is not None and not (Path(options["model"]) / "config.json").is_file():
         raise UserError(f"--model {options['model']!r} is not a model folder (no config.json); pass a checkpoint.")
-    run_quickstart(**options)
+    if seeds is not None:
+        run_seeds(seeds, run_quickstart, **options)
+    else:
+        run_quickstart(**options)
     return 0

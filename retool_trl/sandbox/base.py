@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -9,6 +10,7 @@ from typing import Protocol, runtime_checkable
 __all__ = ["ExecResult", "Sandbox", "Session", "truncate_output", "cut_output", "refusal", "check_pairs"]
 
 _SIDES = ("head", "tail", "middle")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,14 @@ class ExecResult:
     timed_out: bool
     duration_s: float
     infra_error: bool = False
+
+    def __post_init__(self):
+        # Whatever a cell raised or a status carried (a lone surrogate in an exception's message, a service's JSON),
+        # the model only ever sees valid UTF-8 text: a lone surrogate becomes U+FFFD, as in the rollout's cleaning.
+        try:
+            self.output.encode("utf-8")
+        except UnicodeEncodeError:
+            object.__setattr__(self, "output", _LONE_SURROGATE.sub("\ufffd", self.output))
 
 
 @runtime_checkable

@@ -2,7 +2,10 @@
 
 The service is stateless (every request is a fresh interpreter), so a session replays its earlier *successful* cells,
 with their output suppressed, before the new one. Cells that failed are not replayed: what the model saw as an error
-leaves no state behind, like a notebook whose failed cell was deleted.
+leaves no state behind, like a notebook whose failed cell was deleted. The program sent (`remote_driver.py`) runs the
+new cell as the local sandbox does, with the same limits, and reports one bounded JSON line: the model sees the same
+text, `ok` and `timed_out` from both backends (tests/test_sandbox_remote.py holds them to it, against a fake service
+that behaves like SandboxFusion where it matters).
 
 Why not the official `sandbox-fusion` client (0.3.7, read from its source): each call is a bare `requests.post` (a
 new connection, no custom headers, so no authentication, no connection limit) or a new `aiohttp` session; it retries
@@ -14,117 +17,20 @@ request of three JSON fields.
 
 from __future__ import annotations
 
-import base64
 import email.utils
 import json
+import signal
 import threading
 import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from .base import ExecResult, SessionBase, check_pairs, refusal, truncate_output
+from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal, truncate_output
+from .local import _SIGNAL_TEXT
+from .remote_driver import build_driver
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
-
-# The program sent to the service. Exit code: 0 = the cell ran, 1 = it raised (the traceback is on stderr),
-# 3 = replaying an earlier cell failed. Everything it defines lives outside the cells' namespace.
-_DRIVER = r"""
-import ast, base64, json, linecache, os, sys, traceback
-
-CELLS, NUMBERS = json.loads(base64.b64decode("@PAYLOAD@"))  # sources, and their call numbers (like a notebook)
-SHOW = @SHOW@
-
-
-class Counting:
-    def __init__(self, stream, counter):
-        self.stream, self.counter = stream, counter
-
-    def write(self, text):
-        self.counter[0] += len(text)
-        return self.stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def register(source, name):
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-
-
-def report(exc, err):
-    te = traceback.TracebackException.from_exception(exc)
-    frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if f.filename.startswith("<cell-")][-5:]
-    if frames:
-        err.write("Traceback (most recent call last):\n")
-        err.write("".join(traceback.StackSummary.from_list(frames).format()))
-    only = list(te.format_exception_only())
-    err.write("".join(only) if isinstance(exc, SyntaxError) else " ".join("".join(only).split()) + "\n")
-
-
-def main():
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    real = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
-    sys.stdout = sys.stderr = open(os.devnull, "w")
-    failed = None
-    for i, source in zip(NUMBERS, CELLS[:-1]):
-        try:
-            register(source, "<cell-%d>" % i)
-            exec(compile(source, "<cell-%d>" % i, "exec"), ns)
-        except SystemExit as exc:
-            if exc.code not in (None, 0):  # a cell that ended with sys.exit(0) succeeded, and ends there again
-                failed = "SessionError: replaying earlier cell %d failed (SystemExit); the session state is lost\n" % i
-                break
-        except BaseException as exc:
-            failed = "SessionError: replaying earlier cell %d failed (%s); the session state is lost\n" % (
-                i, type(exc).__name__)
-            break
-    sys.stdout.flush()
-    if failed:
-        os.write(real[1], failed.encode())
-        os._exit(3)
-    # What the cell prints on stderr lands with its stdout, in order, as in the local sandbox; the service's stderr
-    # carries only this driver's account of an exception.
-    os.dup2(real[0], 1)
-    os.dup2(real[0], 2)
-    counter = [0]
-    sys.stdout = sys.stderr = Counting(real[2], counter)
-    err = os.fdopen(real[1], "w")  # the service's stderr (fd 2 itself now points at stdout)
-    name = "<cell-%d>" % NUMBERS[-1]
-    code = 0
-    try:
-        register(CELLS[-1], name)
-        tree = ast.parse(CELLS[-1], name)
-        last = None
-        if SHOW and tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, name, "exec"), ns)
-        if last is not None:
-            value = eval(compile(last, name, "eval"), ns)
-            if value is not None and counter[0] == 0:
-                print(repr(value))
-    except SystemExit as exc:
-        err.write("SystemExit: %s\n" % (exc.code,))
-        code = 0 if exc.code in (None, 0) else 1
-    except BaseException as exc:
-        report(exc, err)
-        code = 1
-    real[2].flush()
-    err.flush()
-    os._exit(code)
-
-
-main()
-"""
-
-
-def _driver(cells: list[str], numbers: list[int], show_last_expression: bool) -> str:
-    payload = base64.b64encode(json.dumps([cells, numbers]).encode()).decode()
-    return _DRIVER.replace("@PAYLOAD@", payload).replace("@SHOW@", repr(bool(show_last_expression)))
-
 
 # A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
 # better served by an infrastructure error (retried or dropped by the caller) than by a stalled batch.
@@ -168,7 +74,7 @@ class RemoteSession(SessionBase):
         super().__init__(sandbox)
         self._cells: list[str] = []
         self._numbers: list[int] = []  # the call number of each kept cell: tracebacks name cells as the local one does
-        self._replay_s = 0.0  # time the kept cells took, added to the next request's time limit
+        self._replay_s = 0.0  # time the kept cells took: the service's time limit leaves room to replay them
         self._lock = threading.Lock()  # one cell at a time per session, whatever the caller does
 
     def close(self) -> None:
@@ -180,16 +86,23 @@ class RemoteSession(SessionBase):
 class RemoteSandbox:
     """Stateful Python sessions on a SandboxFusion-compatible code execution service.
 
-    Each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout"}`) carrying the
-    session's earlier successful cells (replayed silently) and the new cell. Requests run concurrently, at most
-    `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError` responses are retried
-    (through `tenacity`) with exponential backoff and jitter, never sooner than an HTTP `Retry-After` asks; another
-    HTTP 4xx, a cell's own exception or its timeout never is. When retries run out, or on that 4xx, the cell gets
+    Each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout", "memory_limit_MB"}`)
+    carrying the session's earlier successful cells (replayed silently) and the new cell, which gets the limits of a
+    `LocalSandbox` cell (wall-clock and CPU time counted from its own start, memory, file size, output). Requests run
+    concurrently, at most `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError`
+    responses are retried (through `tenacity`) with exponential backoff and jitter, never sooner than an HTTP
+    `Retry-After` asks; another HTTP 4xx, a cell's own exception or its timeout never is. When retries run out, or on
+    that 4xx, the cell gets
     `ExecResult(ok=False, infra_error=True)`.
 
     Args:
         url (`str`): Base URL of the service, e.g. `"http://sandbox:8080"`.
-        timeout_s (`float`, defaults to `5.0`): Time limit of one cell (the service's `run_timeout`).
+        timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start (the service's
+            `run_timeout` adds room for the interpreter's start and the replay).
+        memory_mb (`int`, defaults to `1024`): Address-space limit of the session's interpreter (sent to the service
+            as `memory_limit_MB`, and set by the program itself where the service ignores it).
+        cpu_time_s (`float`, *optional*): CPU seconds one cell may use (default: `timeout_s + 1`).
+        max_file_size_mb (`int`, defaults to `16`): Largest file a cell may write.
         max_concurrency (`int`, defaults to `32`): Requests in flight at once.
         retries (`int`, defaults to `3`): Extra attempts after a failure of the service.
         backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time (at most 30 s), plus a random
@@ -205,6 +118,9 @@ class RemoteSandbox:
         self,
         url: str,
         timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        cpu_time_s: float | None = None,
+        max_file_size_mb: int = 16,
         max_concurrency: int = 32,
         retries: int = 3,
         backoff_s: float = 0.5,
@@ -220,6 +136,9 @@ class RemoteSandbox:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url.rstrip("/")
         self.timeout_s = float(timeout_s)
+        self.memory_mb = int(memory_mb)
+        self.cpu_time_s = float(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
+        self.max_file_size_mb = int(max_file_size_mb)
         self.max_concurrency = max(1, int(max_concurrency))
         self.retries = max(0, int(retries))
         self.backoff_s = float(backoff_s)
@@ -308,11 +227,24 @@ class RemoteSandbox:
             return refused
         session.calls += 1
         start = time.monotonic()
-        run_timeout = self.timeout_s + session._replay_s
+        # The program holds the cell to `timeout_s` itself; the service's limit also covers the interpreter's start
+        # and the replay of the kept cells (which took `_replay_s` when they ran), and only ends a stuck replay.
+        run_timeout = self.timeout_s + 2 * session._replay_s + _STARTUP_S
+        driver = build_driver(
+            [*session._cells, code],
+            [*session._numbers, session.calls],
+            timeout_s=self.timeout_s,
+            cpu_time_s=self.cpu_time_s,
+            memory_mb=self.memory_mb,
+            max_file_size_mb=self.max_file_size_mb,
+            max_output_chars=self.max_output_chars,
+            show=self.show_last_expression,
+        )
         body = {
-            "code": _driver([*session._cells, code], [*session._numbers, session.calls], self.show_last_expression),
+            "code": driver,
             "language": self.language,
             "run_timeout": run_timeout,
+            "memory_limit_MB": self.memory_mb,
         }
         try:
             response = self._post(body, run_timeout)
@@ -380,44 +312,83 @@ class RemoteSandbox:
         return data
 
     def _result(self, session: RemoteSession, code: str, response: dict, duration: float) -> ExecResult:
+        """The `ExecResult` of a cell from the service's response: from the program's report, as `LocalSandbox`
+        words it, or, when the program could not report, from what the service says of the process."""
         run = response.get("run_result") or {}
-        # JSON may carry lone surrogates ("\udcff" for a raw byte): the model only ever sees valid UTF-8 text.
-        stdout, stderr = (str(run.get(key) or "").encode("utf-8", "replace").decode() for key in ("stdout", "stderr"))
+        stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
         status, return_code = run.get("status"), run.get("return_code")
-        if status == "TimeLimitExceeded":
-            session._broken = "timeout"
-            printed = truncate_output(stdout + stderr, self.max_output_chars) if stdout or stderr else ""
-            return ExecResult(
-                printed + f"TimeoutError: execution exceeded {self.timeout_s:g} s",
-                ok=False,
-                timed_out=True,
-                duration_s=duration,
+        if status == "TimeLimitExceeded":  # the replay or the interpreter's start took the service's whole limit
+            return self._broken_result(session, "timeout", self._timeout_line(), duration, timed_out=True)
+        report = _last_json_line(stdout) if status == "Finished" and return_code == 0 else None
+        if report is None:
+            # The program itself died (killed by the service or a cell's doing that reached it) or never ran.
+            tail = truncate_output(stderr, self.max_output_chars, "tail")
+            reason = f"exited with code {return_code}" if return_code is not None else f"ended with status {status}"
+            line = f"SystemError: the interpreter process {reason}"
+            return self._broken_result(
+                session, "crash", tail + ("" if not tail or tail.endswith("\n") else "\n") + line, duration
             )
-        if return_code == 0 and status == "Finished":
+        if "replay_failed" in report:
+            line = (
+                f"SessionError: replaying earlier cell {report['replay_failed']} failed ({report.get('error')}); "
+                "the session state is lost\n"
+            )
+            return self._broken_result(session, "replay failure", line, duration)
+        if report.get("timeout"):
+            return self._broken_result(session, "timeout", self._timeout_line(), duration, timed_out=True)
+        try:
+            output = cut_output(str(report["head"]), str(report["tail"]), int(report["total"]), self.max_output_chars)
+            error, error_total = str(report.get("error") or ""), int(report.get("error_total") or 0)
+        except (KeyError, TypeError, ValueError):
+            invalid = "SystemError: the interpreter sent an invalid reply"
+            return self._broken_result(session, "crash", invalid, duration)
+        crash = report.get("crash")
+        if isinstance(crash, dict):
+            line, timed_out, infra = _crash_line(crash, self.cpu_time_s)
+            session._broken = "infrastructure error" if infra else "timeout" if timed_out else "crash"
+            return ExecResult(output + line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)
+        if error:  # the traceback keeps its end: the last line says what happened
+            output += cut_output(error, error, max(error_total, len(error)), self.max_output_chars, "tail")
+        ok, fatal = report.get("ok") is True, report.get("fatal")
+        if fatal:
+            session._broken = str(fatal)
+        elif ok:
             session._cells.append(code)
             session._numbers.append(session.calls)
-            session._replay_s += float(run.get("execution_time") or 0.0)
-            return ExecResult(
-                truncate_output(stdout + stderr, self.max_output_chars), ok=True, timed_out=False, duration_s=duration
-            )
-        output = truncate_output(stdout, self.max_output_chars)
-        if return_code in (1, 3) and stderr:
-            if return_code == 3:
-                session._broken = "replay failure"
-            return ExecResult(
-                output + truncate_output(stderr, self.max_output_chars, "tail"),
-                ok=False,
-                timed_out=False,
-                duration_s=duration,
-            )
-        # Killed by a signal or a limit of the service, or no program run at all (compile stage, bad language).
-        session._broken = "crash"
-        tail = truncate_output(stderr, self.max_output_chars, "tail")
-        reason = f"exited with code {return_code}" if return_code is not None else f"ended with status {status}"
-        line = f"SystemError: the interpreter process {reason}"
-        return ExecResult(
-            output + tail + ("" if not tail or tail.endswith("\n") else "\n") + line,
-            ok=False,
-            timed_out=False,
-            duration_s=duration,
-        )
+            session._replay_s += float(report.get("duration_s") or 0.0)
+        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
+
+    def _timeout_line(self) -> str:
+        return f"TimeoutError: execution exceeded {self.timeout_s:g} s"
+
+    @staticmethod
+    def _broken_result(
+        session: RemoteSession, reason: str, output: str, duration: float, timed_out: bool = False
+    ) -> ExecResult:
+        session._broken = reason
+        return ExecResult(output, ok=False, timed_out=timed_out, duration_s=duration)
+
+
+# Room in the service's time limit for the interpreter's start and the program's report, on top of the cell's.
+_STARTUP_S = 10.0
+
+
+def _last_json_line(stdout: str) -> dict | None:
+    """The program's report: the last line of the service's stdout, if it is a JSON object."""
+    try:
+        report = json.loads(stdout.rstrip("\n").rpartition("\n")[2])
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _crash_line(crash: dict, cpu_time_s: float) -> tuple[str, bool, bool]:
+    """(line, timed_out, infra_error) for a cell whose process died, in `LocalSandbox`'s words."""
+    if "signal" in crash:
+        sig = int(crash["signal"])
+        if sig == signal.SIGXCPU:
+            return f"TimeoutError: CPU time limit of {cpu_time_s:g} s exceeded", True, False
+        if sig == signal.SIGKILL:  # not a limit of the cell's: an operator or the machine's OOM killer
+            return "SystemError: the interpreter process was killed from outside (SIGKILL)", False, True
+        return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}"), False, False
+    return f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}", False, False
