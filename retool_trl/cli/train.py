@@ -32,8 +32,8 @@ from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
 
 _DATASET_HELP = (
-    "Training problems: a known dataset (dapo_math, aime_2024, aime_2025, math500, gsm8k, synthetic), a hub id "
-    "'org/name', or a local .jsonl/.json/.parquet/.csv file."
+    "Training problems: a known dataset (dapo_math, aime_2024, aime_2025, math500, gsm8k, synthetic, multiturn), a "
+    "hub id 'org/name', or a local .jsonl/.json/.parquet/.csv file."
 )
 # TRL's ScriptArguments fields that `retool-trl train` does not use or refuses; listed by --help-all only.
 _HIDDEN_SCRIPT_FIELDS = ("dataset_streaming", "ignore_bias_buffers", "dataset_test_split", "eval_dataset_config")
@@ -104,7 +104,7 @@ class TrainScriptArguments(ScriptArguments):
 
 
 MODEL_HELP = (
-    "Model folder, hub id 'org/name', or 'quickstart' (the tiny model shipped with the package; CPU quickstart)."
+    "Model folder, hub id 'org/name', or a tiny model shipped with the package: 'quickstart', 'quickstart_multiturn'."
 )
 TRL_OPTIONS = (
     "output_dir dtype max_steps num_train_epochs learning_rate per_device_train_batch_size "
