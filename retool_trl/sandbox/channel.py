@@ -58,6 +58,8 @@ class SessionProcess:
         "status",
         "zygote_gone",
         "idle_point",
+        "cgroups",
+        "cpu_start",
         "__weakref__",
     )
 
@@ -76,6 +78,8 @@ class SessionProcess:
         self.status: dict | None = None  # the last status frame of the call in flight
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
+        self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
+        self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -100,6 +104,8 @@ class SessionProcess:
         sock.setblocking(False)
         proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
         proc.socket_buffer = buffer
+        cgroups = hello[0].get("cgroups")
+        proc.cgroups = {str(k): str(v) for k, v in cgroups.items()} if isinstance(cgroups, dict) else {}
         return proc
 
     # --------------------------------------------------------------------------------------------------- calls
@@ -117,7 +123,12 @@ class SessionProcess:
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
+        try:  # the last call's output must not show in this one's, even if the process dies before it starts
+            os.ftruncate(self.output, 0)
+        except OSError:
+            pass
         self.pending = frame(request)
+        self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
@@ -216,15 +227,133 @@ class SessionProcess:
         """Ends a call whose process is parked: stops it until the next call, kills what its cell left running,
         and returns the reply (the status, and the bounded head and tail of its output)."""
         self.signal(signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
-        self._kill_descendants()
+        quiet = self.quiet()
+        if quiet is None:  # no cgroup of its own to list: the processes are found through /proc
+            self._kill_descendants()
         status = self.status if isinstance(self.status, dict) else {}
         skipped = status.get("skipped", 0)
-        return dict(
+        reply = dict(
             self.read_output(skipped if isinstance(skipped, int) else 0, output_limit),
             ok=status.get("ok") is True,
             error=str(status.get("error") or ""),
             fatal=status.get("fatal") and str(status["fatal"]),
         )
+        if quiet is False:
+            reply.update(ok=False, fatal="leftover processes")
+            reply["error"] += "SystemError: processes the cell started could not be stopped\n"
+        return reply
+
+    # ------------------------------------------------------------------------------------------------ cgroups
+
+    def _cgroup_fd(self, name: str) -> int:
+        directory = self.cgroups.get("freezer") or self.cgroups.get("v2")
+        if name.startswith("cpu"):
+            directory = self.cgroups.get("cpuacct") or self.cgroups.get("v2")
+        if directory is None:
+            raise OSError(errno.ENOENT, f"no cgroup for {name}")
+        return self._proc_fd(os.path.join(directory, name))
+
+    def members(self) -> set[int] | None:
+        """The processes of the jail (its own cgroup's `cgroup.procs`), or None where it has no such cgroup.
+
+        Opened afresh each time: cgroup v1 keeps the list it built for an open file, however the cgroup changes."""
+        directory = self.cgroups.get("freezer") or self.cgroups.get("v2")
+        if directory is None:
+            return None
+        if "pids" in self.cgroups:  # its live task count (zombies included): 1 is the parked interpreter alone
+            try:
+                if int(os.pread(self._proc_fd(os.path.join(self.cgroups["pids"], "pids.current")), 64, 0)) == 1:
+                    return {self.host_pid}
+            except (OSError, ValueError):
+                pass
+        try:
+            with open(os.path.join(directory, "cgroup.procs"), "rb") as f:
+                return {int(p) for p in f.read().split()}
+        except (OSError, ValueError):
+            return None
+
+    def _freeze(self, frozen: bool, timeout_s: float = 1.0) -> bool:
+        """Freezes (or thaws) every process of the jail at once; True once the kernel says it is done."""
+        v1 = "freezer" in self.cgroups
+        name, want = ("freezer.state", b"FROZEN" if frozen else b"THAWED") if v1 else ("cgroup.freeze", None)
+        try:
+            os.pwrite(self._cgroup_fd(name), want or (b"1" if frozen else b"0"), 0)
+            if not frozen:
+                return True
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if v1:
+                    done = os.pread(self._cgroup_fd(name), 64, 0).strip() == want
+                else:
+                    done = b"frozen 1" in os.pread(self._cgroup_fd("cgroup.events"), 256, 0)
+                if done or time.monotonic() > deadline:
+                    return done
+                time.sleep(0.0002)
+        except OSError:
+            return False
+
+    def quiet(self, timeout_s: float = 2.0) -> bool | None:
+        """Makes the parked process the only one left in its jail: while anything else is in the jail's cgroup,
+        freezes the whole cgroup (nothing in it can fork, exit or hop any more), kills every other process, thaws,
+        and looks again, until it holds just the parked interpreter. No sweep that "found nothing this time" ends
+        it: only the kernel's list of the jail's processes does. Returns True when quiet, False if that did not
+        happen within `timeout_s`, None where the jail has no cgroup to list (the caller sweeps /proc instead)."""
+        members = self.members()
+        if members is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while members - {self.host_pid}:
+            if time.monotonic() > deadline:
+                return False
+            self._freeze(True)
+            try:
+                self._kill_members()
+            finally:
+                self._freeze(False)
+            for _ in range(100):  # killed processes leave the cgroup once they have run their exit
+                members = self.members() or set()
+                if not members - {self.host_pid}:
+                    break
+                time.sleep(0.0002)
+        return True
+
+    def _kill_members(self) -> None:
+        """SIGKILLs every process of the (frozen) jail but its pid 1, each through a pidfd taken while the pid was
+        listed in the jail's cgroup and checked to still be there after: a recycled pid is never hit."""
+        pidfds = {}
+        for pid in (self.members() or set()) - {self.host_pid}:
+            try:
+                pidfds[pid] = os.pidfd_open(pid)
+            except OSError:
+                continue
+        try:
+            still = self.members() or set()
+            for pid, pidfd in pidfds.items():
+                if pid in still:
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except OSError:
+                        pass
+        finally:
+            for pidfd in pidfds.values():
+                os.close(pidfd)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used so far by every process the jail ever had (cpuacct, or v2 `cpu.stat`), or None."""
+        try:
+            if "cpuacct" in self.cgroups:
+                return int(os.pread(self._cgroup_fd("cpuacct.usage"), 64, 0)) / 1e9
+            for line in os.pread(self._cgroup_fd("cpu.stat"), 1024, 0).splitlines():
+                if line.startswith(b"usage_usec "):
+                    return int(line.split()[1]) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def cpu_used(self) -> float | None:
+        """CPU seconds the jail's processes used since the call began, all of them together, or None."""
+        now = self.cpu_seconds()
+        return None if now is None or self.cpu_start is None else now - self.cpu_start
 
     def read_output(self, skipped: int = 0, limit: int = 1 << 16) -> dict:
         """The bounded head and tail of what the cell wrote (decoded with replacement: always valid text)."""
@@ -272,7 +401,9 @@ class SessionProcess:
             raise OSError(errno.EBADF, "the session process handle is closed")
         if fd is None:
             path = f"task/{self.host_pid}/children" if name == "children" else name
-            fd = self.proc_fds[name] = os.open(f"/proc/{self.host_pid}/{path}", os.O_RDONLY | os.O_CLOEXEC)
+            path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
+            flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
+            fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
         return fd
 
     def _kill_descendants(self) -> None:

@@ -416,23 +416,33 @@ class LocalSandbox:
             ok = bool(reply["ok"]) if crash is None else False
         except (KeyError, TypeError, ValueError):
             return self._crash_result(session, duration, "the interpreter sent an invalid reply")
-        output = cut_output(head, tail, total, self.max_output_chars)
         if crash is not None:
             result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
             return ExecResult(
-                output + result.output,
+                self._bounded(head, tail, total, result.output),
                 ok=False,
                 timed_out=result.timed_out,
                 duration_s=duration,
                 infra_error=result.infra_error,
             )
-        if error:  # the traceback keeps its end: the last line says what happened
-            output += cut_output(error, error, len(error), self.max_output_chars, "tail")
+        output = self._bounded(head, tail, total, error)
         fatal = reply.get("fatal")
         if fatal:
             self._kill(session)
             session._mark_broken(str(fatal))
         return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
+
+    def _bounded(self, head: str, tail: str, total: int, error: str) -> str:
+        """The cell's output followed by its error text, `max_output_chars` at most together (markers included).
+
+        The error keeps its end (its last line says what happened) and gets at least half the bound when both are
+        long; the output keeps its beginning and end around a marker."""
+        limit = self.max_output_chars
+        if not error:
+            return cut_output(head, tail, total, limit)
+        keep_error = min(len(error), max(limit // 2, limit - total))
+        output = cut_output(head, tail, total, limit - keep_error)
+        return output + cut_output(error, error, len(error), keep_error, "tail")
 
     def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
         self._kill(session)

@@ -8,9 +8,9 @@ import signal
 def death_cause(status, cgroups) -> dict:
     """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "oom": bool}`.
 
-    `oom` says whether the kernel's OOM killer acted in the jail's memory cgroup (the session's memory bound). Any
-    other SIGKILL came from outside the jail (nothing inside can kill its pid 1, and there is no hard CPU limit),
-    which the host reports as infrastructure.
+    `oom` says whether the session's own memory bound killed it. Any other SIGKILL came from outside the jail
+    (nothing inside can kill its pid 1, and there is no hard CPU limit): the machine's or the whole sandbox's OOM
+    killer, or an operator, which the host reports as infrastructure.
     """
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -19,17 +19,29 @@ def death_cause(status, cgroups) -> dict:
 
 
 def oom_killed(cgroups) -> bool:
-    """Whether the kernel's OOM killer acted in any of these memory cgroups (v1 `memory.oom_control`, v2
-    `memory.events`)."""
+    """Whether the OOM killer acted in one of these memory cgroups *because of that cgroup's own limit*.
+
+    The kernel bumps the victim's `oom_kill` counter for any OOM kill, the machine's and a parent cgroup's too; only
+    a session that also hit its own limit (v1 `memory.failcnt`, v2 the `oom` count of `memory.events`) was killed by
+    it. A charge refused by a parent's limit counts against the parent's `failcnt`, not the session's."""
     for path in cgroups:
-        for name in ("memory.oom_control", "memory.events"):
-            try:
-                with open(os.path.join(path, name)) as f:
-                    counts = dict(line.split() for line in f if len(line.split()) == 2)
-            except OSError:
-                continue
-            if int(counts.get("oom_kill", 0)):
+        try:
+            with open(os.path.join(path, "memory.events")) as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+            if int(counts.get("oom_kill", 0)) and int(counts.get("oom", 0)):
                 return True
+            continue
+        except OSError:
+            pass
+        try:
+            with open(os.path.join(path, "memory.oom_control")) as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+            with open(os.path.join(path, "memory.failcnt")) as f:
+                failed = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            continue
+        if int(counts.get("oom_kill", 0)) and failed:
+            return True
     return False
 
 

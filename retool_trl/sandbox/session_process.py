@@ -35,7 +35,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000000,
     0x40000000,
 )
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 1 << 18
 PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 _BACKGROUND_NICE = 10
@@ -287,6 +287,10 @@ def _enter_jail(config):
         if os.path.isdir(target):
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if os.path.isdir("/dev/pts"):  # its own pseudo-terminals (bubblewrap's one instance is every jail's), 8 at most
+        mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620,max=8")
+    if os.path.isdir("/sys/fs/cgroup"):  # every session's (and other trainers') usage: not the cells' business
+        mount("tmpfs", "/sys/fs/cgroup", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
     if network:
         with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
             fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
@@ -356,8 +360,12 @@ def session_main(config, jail):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing us
     signal.signal(signal.SIGXCPU, _on_sigxcpu)
-    for directory in jail["cgroups"]:
+    for directory in dict.fromkeys(jail["cgroups"].values()):
         write_file(os.path.join(directory, "cgroup.procs"), "0")
+    try:  # first in line for the OOM killer, before the trainer (a cell cannot lower it again)
+        write_file("/proc/self/oom_score_adj", "1000")
+    except OSError:
+        pass
     if config["jail"]:
         _enter_jail(config)
     scratch = os.path.join(config["scratch_root"], jail["name"])
@@ -438,7 +446,8 @@ class Jail:
     def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
         self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
         self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
-        self.cgroups, self.scratch = cgroups, scratch
+        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}
+        self.cgroups = list(dict.fromkeys(cgroups.values()))
         self.host = None  # the session's socket to the host, once handed out
         self.set_up = False
         self.closed = False

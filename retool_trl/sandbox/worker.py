@@ -96,20 +96,26 @@ class _Zygote:
     # -------------------------------------------------------------------------------------------- forking jails
 
     def _new_cgroups(self, name):
-        made = []
+        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written."""
+        made = {}
+        period_us = 100_000
         for kind, root in self.config["cgroups"]:
             path = os.path.join(root, name)
-            os.mkdir(path)
-            made.append(path)
+            if path not in made.values():
+                os.mkdir(path)
+            made[kind] = path
             limits = {
                 "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
                 "pids": {"pids.max": self.config["max_processes"]},
+                # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
+                "cpu": {"cpu.cfs_period_us": period_us, "cpu.cfs_quota_us": period_us},
                 "v2": {
                     "memory.max": self.config["memory_mb"] << 20,
                     "memory.swap.max": 0,
                     "pids.max": self.config["max_processes"],
+                    "cpu.max": f"{period_us} {period_us}",
                 },
-            }[kind]
+            }.get(kind, {})
             for key, value in limits.items():
                 if os.path.exists(os.path.join(path, key)):
                     write_file(os.path.join(path, key), str(value))
@@ -126,7 +132,7 @@ class _Zygote:
         try:
             cgroups = self._new_cgroups(name)
         except OSError:
-            cgroups = []
+            cgroups = {}
         if self.config["jail"]:
             check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
         try:
@@ -176,9 +182,11 @@ class _Zygote:
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
         try:
             creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
-            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": True})], [creds, rights])
+            hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
+            host.sendmsg([frame(hello)], [creds, rights])
         except PermissionError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": False})], [rights])
+            hello = {"hello": True, "pid": jail.pid, "creds": False, "cgroups": jail.cgroup_kinds}
+            host.sendmsg([frame(hello)], [rights])
         except OSError as exc:
             host.close()
             self.kill(jail)

@@ -1,0 +1,116 @@
+"""A whole GRPO batch of sessions side by side: nothing of a finished call runs on, no session takes another's CPU or
+memory, and an outer kill is the sandbox's failure, not the cell's.
+
+Each test stands for an attack or accident seen in a red-team pass over a batch of jailed sessions (the docstrings
+say which), and checks the outcome against the kernel's own view (pid namespaces, cgroup files), not the sandbox's.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from retool_trl.sandbox import LocalSandbox
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _jail_processes(host_pid: int) -> list[int]:
+    """Live (non-zombie) processes of the jail whose pid 1 is `host_pid`, other than that pid 1: every process whose
+    pid namespace is the jail's, found by scanning /proc (an account independent of the sandbox's cgroups)."""
+    try:
+        ns = os.readlink(f"/proc/{host_pid}/ns/pid")
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == host_pid:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != ns:
+                continue
+            state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def _jailed(sandbox):
+    report = sandbox.isolation_report()
+    if not report["jail_per_session"] or not report["pids_cgroup"]:
+        pytest.skip(f"needs per-session jails and cgroups; missing here: {report['missing']}")
+    return report
+
+
+HOPPER_C = r"""
+#include <signal.h>
+#include <unistd.h>
+int main(void) {
+    signal(SIGCHLD, SIG_IGN);
+    for (;;) {
+        pid_t pid = fork();
+        if (pid > 0) _exit(0);  /* the parent leaves at once: its child is the next hop */
+    }
+}
+"""
+COMPILE = f"""
+import subprocess
+open('/tmp/hop.c', 'w').write({HOPPER_C!r})
+subprocess.run(['gcc', '-O1', '-o', '/tmp/hop', '/tmp/hop.c'], check=True, capture_output=True)
+print('built')
+"""
+# The session's own sweep runs in the cell's interpreter and can be replaced; pid 1 ignoring SIGCHLD leaves no
+# zombies behind the hoppers (each hop's parent is gone before anyone can list it).
+TRICKS = """
+import os, signal, sys
+sys.modules['session_process']._kill_descendants = lambda uid: None
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+"""
+HOP_COMPILED = (
+    TRICKS
+    + """
+for _ in range(3):
+    if os.fork() == 0:
+        os.execv('/tmp/hop', ['/tmp/hop'])
+print('hopping')
+"""
+)
+HOP_PYTHON = (
+    TRICKS
+    + """
+for _ in range(3):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            if os.fork() > 0:
+                os._exit(0)
+print('hopping')
+"""
+)
+
+
+@pytest.mark.parametrize("hopper", ["compiled", "python"])
+def test_no_process_of_a_finished_call_survives(hopper):
+    """Finding: a cell that replaced the in-cell killer, ignored SIGCHLD in pid 1 and started fork-and-exit hoppers
+    kept processes running after its call returned ok (7 of 30 calls), which then starved the neighbours until the
+    session closed. Now a call settles only once its jail holds just the parked interpreter: 100 of 100 calls leave
+    no process behind."""
+    if hopper == "compiled" and shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine (the jail sees the host's)")
+    with LocalSandbox(num_workers=2, timeout_s=20.0, memory_mb=512, max_processes=32, preload=()) as sb:
+        _jailed(sb)
+        s = sb.session()
+        if hopper == "compiled":
+            r = s.run(COMPILE)
+            assert r.ok and r.output == "built\n", r
+        code = HOP_COMPILED if hopper == "compiled" else HOP_PYTHON
+        survived = []
+        for _ in range(100):
+            r = s.run(code)
+            assert r.ok and r.output == "hopping\n", r
+            survived.append(len(_jail_processes(s._proc.host_pid)))
+        assert survived == [0] * 100, survived
+        assert s.run("print('still here')").output == "still here\n"
