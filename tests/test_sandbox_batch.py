@@ -7,6 +7,7 @@ say which), and checks the outcome against the kernel's own view (pid namespaces
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,55 @@ def test_no_process_of_a_finished_call_survives(hopper):
             survived.append(len(_jail_processes(s._proc.host_pid)))
         assert survived == [0] * 100, survived
         assert s.run("print('still here')").output == "still here\n"
+
+
+ALLOCATE = "import os\nblock = bytearray(os.urandom(1 << 20)) * {mb}\nprint('earlier output', len(block) >> 20)"
+
+
+def test_an_oom_kill_beyond_the_sessions_own_limit_is_the_sandboxs_failure():
+    """Finding: sessions each within `memory_mb` but together above what the machine allowed: the OOM killer took
+    the trainer (jails ran at oom_score_adj 0, the sandbox as a whole had no bound), or took an idle session whose
+    next call then said `MemoryError: memory limit ... exceeded` (`infra_error=False`) after the previous cell's
+    output. Here the sandbox's own bound (below the sessions' sum) stands for the machine's: whoever it kills gets an
+    `infra_error`, and no call shows another call's output."""
+    with LocalSandbox(num_workers=2, timeout_s=20.0, memory_mb=400, total_memory_mb=300, preload=(), spares=0) as sb:
+        report = _jailed(sb)
+        if not report["memory_cgroup"]:
+            pytest.skip("needs a memory cgroup")
+        a, b = sb.session(), sb.session()
+        assert a.run("print(open('/proc/self/oom_score_adj').read().strip())").output == "1000\n"
+        first = [a.run(ALLOCATE.format(mb=180)), b.run(ALLOCATE.format(mb=180))]
+        later = [a.run("print('later')"), b.run("print('later')")]
+    results = first + later
+    failed = [r for r in results if not r.ok]
+    assert failed, results  # 360 MB do not fit in 300: one of them was killed
+    for r in failed:
+        assert r.infra_error and "MemoryError" not in r.output, r
+        assert "earlier output" not in r.output or r in first, r
+    assert [r for r in later if r.ok] == [r for r in later if r.output == "later\n"], later
+
+
+def test_a_kill_between_calls_shows_no_earlier_output():
+    """Finding: a session killed from outside between two calls reported its death after the previous call's
+    output."""
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("print('earlier output')").output == "earlier output\n"
+        os.kill(s._proc.host_pid, 9)
+        r = s.run("print('later')")
+    assert r.infra_error and "earlier output" not in r.output, r
+
+
+def test_a_closed_session_is_killed_at_once():
+    """Finding: closed sessions waited, stopped but holding their memory, in batches of up to 32 until the zygote
+    was idle. Now `close()` kills the jail: its pid 1 is gone without any further call to the sandbox."""
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("x = bytearray(50 << 20)").ok
+        pid = s._proc.host_pid
+        s.close()
+        for _ in range(500):
+            if not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes():
+                break
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
 from .batch import Batch, InFlight
-from .cgroups import SandboxCgroups
+from .cgroups import SandboxCgroups, default_memory_mb
 from .channel import SessionProcess
 from .isolation import (
     ISOLATION_MODES,
@@ -115,6 +115,10 @@ class LocalSandbox:
             As root, run cells even when bubblewrap does not work (they would then see the host file system with
             root's reach, bar the per-session uid). Without it, that situation raises `UnsafeSandboxError`.
         spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, num_workers)`).
+        total_memory_mb (`int`, *optional*):
+            Memory bound of all sessions together (their common cgroup, where the machine has one): the sandbox's
+            jails are killed before the trainer runs out of memory. Default: half of what this machine (or the
+            container it runs in) allows. An OOM kill that is not a session's own limit is an `infra_error`.
 
     Example:
         ```python
@@ -142,6 +146,7 @@ class LocalSandbox:
         max_files: int = 65536,
         allow_root_without_isolation: bool = False,
         spares: int | None = None,
+        total_memory_mb: int | None = None,
     ):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
@@ -163,6 +168,7 @@ class LocalSandbox:
         self.max_files = int(max_files)
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
+        self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else default_memory_mb()
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
         # Jails handed out by the zygote, not yet given a session.
@@ -183,7 +189,7 @@ class LocalSandbox:
 
         `missing` lists, in words, each protection of the isolation contract that does not hold on this machine."""
         zygote = self._start()
-        kinds = {kind for kind, _ in self._cgroups.roots} | set(getattr(self._cgroups, "v2_controllers", []))
+        kinds = self._cgroups.kinds
         report = {
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
@@ -192,6 +198,8 @@ class LocalSandbox:
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
             "pids_cgroup": "pids" in kinds,
+            "freezer_cgroup": bool(kinds & {"freezer", "v2"}),
+            "cpu_cgroup": "cpu" in kinds,
             "seccomp": seccomp_program()[0] is not None,
         }
         missing = list(self._cgroups.missing)
@@ -216,7 +224,9 @@ class LocalSandbox:
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
             if self._cgroups is None:
-                self._cgroups = SandboxCgroups(f"retool-sandbox-{os.getpid()}-{id(self):x}")
+                self._cgroups = SandboxCgroups(
+                    f"retool-sandbox-{os.getpid()}-{id(self):x}", self.total_memory_mb, cpu_weight=self.num_workers
+                )
             command, scratch_root = self._isolation_command()
             program, why_not = seccomp_program()
             if program is None:

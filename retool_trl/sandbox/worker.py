@@ -44,7 +44,6 @@ from session_process import (  # noqa: E402
 del sys.path[0]
 
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
-_RETIRE_BATCH = 32  # closed sessions kept stopped at most before they are killed even while busy
 _SETUP_ERROR_CHARS = 400
 _SA_NOCLDSTOP = 1
 
@@ -86,7 +85,6 @@ class _Zygote:
         self.jails = {}  # pid -> Jail (spares and sessions)
         self.spares = []  # pids of jails waiting for a session, oldest first
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
-        self.retired = []  # closed sessions, stopped, to be killed at the next idle moment
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
         self.selector = selectors.DefaultSelector()
@@ -251,21 +249,8 @@ class _Zygote:
         self.forget(jail)
 
     def retire(self, jail):
-        """A closed session: stopped now (nothing of it runs any more), killed when the zygote is idle or enough
-        are waiting, so that the kernel's teardown of its namespaces does not compete with the running cells."""
-        try:
-            os.kill(jail.pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-        self.forget(jail)
-        self.retired.append(jail)
-        if len(self.retired) >= _RETIRE_BATCH:
-            self.kill_retired()
-
-    def kill_retired(self):
-        retired, self.retired = self.retired, []
-        for jail in retired:
-            self.kill(jail)
+        """A closed session: killed at once, so that its memory is free for the sessions still running."""
+        self.kill(jail)
 
     def forget(self, jail):
         if jail.closed:
@@ -292,8 +277,6 @@ class _Zygote:
                 continue  # a scratch remover
             if pid in self.spares:
                 self.spares.remove(pid)
-            if jail in self.retired:
-                self.retired.remove(jail)
             if jail.ready_r is not None:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
@@ -314,7 +297,6 @@ class _Zygote:
             shutil.rmtree(path, ignore_errors=True)
 
     def shutdown(self):
-        self.retired = []
         for jail in list(self.jails.values()):
             self.kill(jail)
         deadline = time.monotonic() + 5
@@ -344,11 +326,9 @@ class _Zygote:
             },
         )
         while True:
-            refill = len(self.spares) < self.config["spares"] or self.retired
+            refill = len(self.spares) < self.config["spares"]
             events = self.selector.select(_REFILL_AFTER_S if refill else None)
-            if not events and self.retired:
-                self.kill_retired()
-            elif not events and refill:
+            if not events and refill:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
                 except OSError:
