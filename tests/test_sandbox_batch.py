@@ -167,3 +167,43 @@ def test_a_closed_session_is_killed_at_once():
                 break
             time.sleep(0.01)
         assert not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes()
+
+
+SPINNERS = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        os.setsid()  # its own scheduler autogroup, outside any process group the cell could be judged by
+        while True:
+            pass
+time.sleep(60)
+"""
+NEIGHBOUR = "t = time.process_time()\nwhile time.process_time() - t < 0.15:\n    pass\nprint('done')"
+
+
+def test_a_session_spinning_in_many_children_neither_starves_its_neighbour_nor_passes_its_cpu_budget():
+    """Finding: a cell forked children that each `setsid()` and spin: a neighbour's 0.64 s cell took 4.6 s at 16
+    children and timed out at 62, and the spinning call used ~9 CPU-seconds against `cpu_time_s=6` (the rlimit
+    counts per process). Now a session has one CPU at most (its cpu cgroup's quota) and a call's CPU budget counts
+    all its processes (cpuacct): the spinning call ends on its CPU budget, long before its wall-clock limit, and the
+    neighbour's calls all finish without a timeout."""
+    import threading
+
+    with LocalSandbox(num_workers=2, timeout_s=60.0, cpu_time_s=2.0, max_processes=32, preload=()) as sb:
+        report = _jailed(sb)
+        if not report["cpu_cgroup"]:
+            pytest.skip("needs a cpu cgroup")
+        hog, neighbour = sb.session(), sb.session()
+        assert neighbour.run("import time").ok and hog.run("pass").ok
+        quota = Path(hog._proc.cgroups["cpu"], "cpu.cfs_quota_us").read_text() if "cpu" in hog._proc.cgroups else ""
+        box = []
+        runner = threading.Thread(target=lambda: box.append(hog.run(SPINNERS)))
+        runner.start()
+        results = []
+        while runner.is_alive() and len(results) < 200:
+            results.append(neighbour.run(NEIGHBOUR))
+        runner.join(90)
+    assert box and box[0].timed_out and "CPU time limit of 2 s exceeded" in box[0].output, box
+    assert "execution exceeded" not in box[0].output
+    assert results and all(r.ok and r.output == "done\n" for r in results), results
+    assert quota.strip() == "100000"

@@ -80,7 +80,7 @@ class _Running:
         sleeps or waits gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S."""
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
-        self.cpu, self.cpu_at, self.busy = self.proc.sched_state()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
+        self.cpu, self.cpu_at, self.busy = self.proc.load()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
 
     def expect_death(self) -> None:
         """Its status pipe closed: the zygote's account of the death is on its way, and is waited for a short while."""
@@ -110,6 +110,7 @@ class Batch:
         self.running: dict[object, _Running] = {}  # by session
         self.selector = selectors.DefaultSelector()
         self.output_limit = 4 * sandbox.max_output_chars
+        self.budget_check_at = time.monotonic() + CPU_TICK_S
 
     def run(self) -> list[ExecResult]:
         try:
@@ -123,7 +124,7 @@ class Batch:
                 for entry in self.running.values():
                     if entry.reported:
                         wait = min(wait, entry.poll_s)
-                wait = min(wait, CLOSED_CHECK_S)
+                wait = min(wait, CLOSED_CHECK_S, max(0.0, self.budget_check_at - time.monotonic()))
                 # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
                 alone = len(self.running) == 1 and not self.ready and self.sandbox._in_flight.count == 1
                 lone = next(iter(self.running.values())) if alone else None
@@ -141,6 +142,7 @@ class Batch:
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
                     self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
+                self._check_cpu_budgets(now)
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
                     if entry.dead:  # the status pipe closed but no account of the death came
                         self._finish(entry, self.sandbox._crash_result, now - entry.started)
@@ -152,6 +154,19 @@ class Batch:
                 self._finish(entry, self.sandbox._crash_result, 0.0, "the sandbox host failed")
             self.selector.close()
         return self.results  # type: ignore[return-value]
+
+    def _check_cpu_budgets(self, now: float) -> None:
+        """Ends the calls whose jails used more CPU than one call may, all their processes together (the jail's
+        cgroup counts every process a cell started, setsid or not; the per-process rlimit counts one). The grace of
+        a second lets a lone interpreter's own limit speak first, with its traceback."""
+        if now < self.budget_check_at:
+            return
+        self.budget_check_at = now + CPU_TICK_S
+        budget = self.sandbox.cpu_time_s + 1.0
+        for entry in list(self.running.values()):
+            used = entry.proc.cpu_used()
+            if used is not None and used > budget and not entry.dead:
+                self._finish(entry, self.sandbox._cpu_limit_result, now - entry.started)
 
     def _spin(self, entry: _Running) -> None:
         """Polls a lone cell's status for a short while before sleeping: most cells of a rollout take well under a
@@ -245,7 +260,7 @@ class Batch:
         busy = 0
         for entry in self.sandbox._in_flight.snapshot():
             if now - entry.cpu_at >= CPU_TICK_S:
-                state, cpu = entry.proc.sched_state()
+                state, cpu = entry.proc.load()
                 if cpu is not None and entry.cpu is not None:
                     entry.busy = state == "R" or (cpu - entry.cpu) > 0.3 * (now - entry.cpu_at)
                 entry.cpu, entry.cpu_at = cpu, now

@@ -395,6 +395,13 @@ class SessionProcess:
         except (OSError, IndexError, ValueError):
             return None, None
 
+    def load(self) -> tuple[str | None, float | None]:
+        """The scheduler state of the session process and the CPU seconds of its whole jail (every process a cell
+        started, from its cgroup; the process's own where it has none): a cell whose children compute is busy."""
+        state, cpu = self.sched_state()
+        jail = self.cpu_seconds()
+        return state, cpu if jail is None else jail
+
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
         if fd is None and self.closed:

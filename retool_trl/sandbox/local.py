@@ -454,6 +454,12 @@ class LocalSandbox:
         output = cut_output(head, tail, total, limit - keep_error)
         return output + cut_output(error, error, len(error), keep_error, "tail")
 
+    def _cpu_limit_result(self, session: LocalSession, duration: float) -> ExecResult:
+        self._kill(session)
+        session._mark_broken("timeout")
+        line = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded (all the session's processes together)"
+        return ExecResult(line, ok=False, timed_out=True, duration_s=duration)
+
     def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
         self._kill(session)
         session._mark_broken("timeout")
