@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import os
-import signal
 import socket
 import tempfile
 import threading
 import weakref
 from collections.abc import Iterable
 
-from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
+from .base import ExecResult, SessionBase, check_pairs, refusal
 from .batch import Batch, InFlight
 from .cgroups import SandboxCgroups, default_memory_mb
 from .channel import SessionProcess
@@ -26,18 +26,14 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
+from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
-_SIGNAL_TEXT = {
-    signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
-    signal.SIGBUS: "SystemError: the interpreter crashed with a bus error (SIGBUS)",
-    signal.SIGABRT: "SystemError: the interpreter aborted (SIGABRT)",
-    signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
-    signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
-}
 
 
 class LocalSession(SessionBase):
@@ -74,7 +70,7 @@ class LocalSession(SessionBase):
         return f"LocalSession({self._name}, {state}, calls={self.calls})"
 
 
-class LocalSandbox:
+class LocalSandbox(CallResults):
     """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
@@ -127,6 +123,8 @@ class LocalSandbox:
             session.run("x = 6 * 7\\nprint(x)").output  # "42\\n"
         ```
     """
+
+    reserve_idle_s = 60.0  # jails reserved beyond `spares` are released once none was taken for this long
 
     def __init__(
         self,
@@ -250,6 +248,7 @@ class LocalSandbox:
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,
+                "reserve_idle_s": self.reserve_idle_s,
             }
             old = self._zygote
             self._zygote = _Zygote(command, config)
@@ -329,6 +328,27 @@ class LocalSandbox:
         self.close()
 
     # ------------------------------------------------------------------------------------------------- sessions
+
+    def reserve(self, n: int) -> None:
+        """Asks for `n` sessions ahead of demand, and returns at once: the zygote (started now if need be) forks up
+        to `n` jails in the background, at low priority, while the caller does something else (the model generates
+        its first turn), so that those sessions' first calls find a jail ready. Bounded by the sandbox's memory
+        (about 16 MB of `total_memory_mb` per reserved jail); jails nobody takes are released after a minute.
+
+        Args:
+            n (`int`): Sessions about to be opened (the rollout's batch size).
+        """
+        if self._closed or n <= 0:
+            return
+        count = min(int(n), max(self.spares, self.total_memory_mb // 16))
+
+        def ask():
+            try:
+                self._start().reserve(count)
+            except Exception:  # noqa: BLE001 - only a hint: the sessions' first calls fork what they need
+                logger.debug("sandbox reserve failed", exc_info=True)
+
+        threading.Thread(target=ask, name="retool-sandbox-reserve", daemon=True).start()
 
     def session(self) -> LocalSession:
         """A new, empty session (no process until its first `run`)."""
@@ -415,85 +435,3 @@ class LocalSandbox:
 
     def _refusal(self, session: LocalSession) -> ExecResult | None:
         return refusal(session._closed or self._closed, session._broken)
-
-    def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
-        """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
-        the model sees."""
-        try:
-            head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
-            crash = reply.get("crash")
-            error = str(reply["error"]) if reply.get("error") else ""
-            ok = bool(reply["ok"]) if crash is None else False
-        except (KeyError, TypeError, ValueError):
-            return self._crash_result(session, duration, "the interpreter sent an invalid reply")
-        if crash is not None:
-            result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
-            return ExecResult(
-                self._bounded(head, tail, total, result.output),
-                ok=False,
-                timed_out=result.timed_out,
-                duration_s=duration,
-                infra_error=result.infra_error,
-            )
-        output = self._bounded(head, tail, total, error)
-        fatal = reply.get("fatal")
-        if fatal:
-            self._kill(session)
-            session._mark_broken(str(fatal))
-        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
-
-    def _bounded(self, head: str, tail: str, total: int, error: str) -> str:
-        """The cell's output followed by its error text, `max_output_chars` at most together (markers included).
-
-        The error keeps its end (its last line says what happened) and gets at least half the bound when both are
-        long; the output keeps its beginning and end around a marker."""
-        limit = self.max_output_chars
-        if not error:
-            return cut_output(head, tail, total, limit)
-        keep_error = min(len(error), max(limit // 2, limit - total))
-        output = cut_output(head, tail, total, limit - keep_error)
-        return output + cut_output(error, error, len(error), keep_error, "tail")
-
-    def _cpu_limit_result(self, session: LocalSession, duration: float) -> ExecResult:
-        self._kill(session)
-        session._mark_broken("timeout")
-        line = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded (all the session's processes together)"
-        return ExecResult(line, ok=False, timed_out=True, duration_s=duration)
-
-    def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
-        self._kill(session)
-        session._mark_broken("timeout")
-        return ExecResult(
-            f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
-        )
-
-    def _crash_result(
-        self, session: LocalSession, duration: float, why: str | None = None, crash: dict | None = None
-    ) -> ExecResult:
-        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms.
-
-        `crash` is the zygote's account of the death (its own wait status, out of the cell's reach); without one
-        the zygote itself was lost, which is the sandbox's failure, not the cell's."""
-        self._kill(session)
-        timed_out, infra = False, False
-        if why is not None:
-            line = f"SystemError: {why}"
-        elif crash is None:
-            line, infra = "SystemError: the sandbox lost the interpreter process", True
-        elif crash.get("setup_failed"):  # it died before any cell ran: the jail's failure, not a cell's
-            line = f"SystemError: the sandbox could not set up the session's jail: {crash['setup_failed']}"
-            infra = True
-        elif "signal" in crash:
-            sig = int(crash["signal"])
-            if sig == signal.SIGXCPU:
-                line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
-            elif sig == signal.SIGKILL and crash.get("oom"):
-                line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
-            elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
-                line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
-            else:
-                line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
-        else:
-            line = f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}"
-        session._mark_broken("infrastructure error" if infra else "timeout" if timed_out else "crash")
-        return ExecResult(line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)

@@ -44,6 +44,7 @@ from session_process import (  # noqa: E402
 del sys.path[0]
 
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
+_RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
 _SA_NOCLDSTOP = 1
 
@@ -84,6 +85,9 @@ class _Zygote:
         self.control, self.config = control, config
         self.jails = {}  # pid -> Jail (spares and sessions)
         self.spares = []  # pids of jails waiting for a session, oldest first
+        self.target = config["spares"]  # spares wanted now: the usual count, or more after a `reserve`
+        self.reserve_until = 0.0  # reserved spares beyond the usual count are released after this
+        self.refilling = False  # forked a spare at the last idle moment: fork the next one without waiting
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
@@ -171,6 +175,9 @@ class _Zygote:
                 host.close()
                 return {"error": f"could not start a jail: {exc}"}
         jail = self.jails[self.spares.pop(0)]
+        if self.target > self.config["spares"]:  # a reserved jail taken: one fewer to keep ready
+            self.target -= 1
+            self.reserve_until = time.monotonic() + self.config.get("reserve_idle_s", _RESERVE_IDLE_S)
         try:
             os.setpriority(os.PRIO_PROCESS, jail.pid, 0)  # only root may lower niceness again: we are root here
         except OSError:
@@ -192,6 +199,19 @@ class _Zygote:
         jail.hand_over(host)  # the host alone writes requests and reads statuses from now on
         self.selector.register(host, selectors.EVENT_READ, ("host", jail))
         return {"pid": jail.pid}
+
+    def reserve(self, count):
+        """Keeps `count` jails ready (the host bounds it): forked one after another while nothing else is asked,
+        each at low priority, and released if unused for `_RESERVE_IDLE_S`."""
+        self.target = max(self.config["spares"], int(count))
+        self.reserve_until = time.monotonic() + self.config.get("reserve_idle_s", _RESERVE_IDLE_S)
+        return {"ok": True, "target": self.target}
+
+    def release_reserve(self):
+        """Kills the spares beyond the usual count: nobody came for them."""
+        self.target = self.config["spares"]
+        while len(self.spares) > self.target:
+            self.kill(self.jails[self.spares.pop()])
 
     # ------------------------------------------------------------------------------------------------ events
 
@@ -326,13 +346,23 @@ class _Zygote:
             },
         )
         while True:
-            refill = len(self.spares) < self.config["spares"]
-            events = self.selector.select(_REFILL_AFTER_S if refill else None)
+            refill = len(self.spares) < self.target
+            if refill:  # a reserve is forked back to back, but only while no request waits
+                timeout = 0.0 if self.refilling else _REFILL_AFTER_S
+            elif len(self.spares) > self.config["spares"]:
+                timeout = max(0.0, self.reserve_until - time.monotonic())
+            else:
+                timeout = None
+            events = self.selector.select(timeout)
+            self.refilling = False
             if not events and refill:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
+                    self.refilling = True
                 except OSError:
                     time.sleep(0.1)  # out of processes or memory: do not spin
+            elif not events and len(self.spares) > self.config["spares"] and time.monotonic() >= self.reserve_until:
+                self.release_reserve()
             for key, _ in events:
                 kind, jail = key.data
                 if kind == "wake":
@@ -357,7 +387,13 @@ class _Zygote:
             request, fds = None, []
         if request is None or request.get("op") == "shutdown":
             return False
-        reply = self.spawn(fds) if request.get("op") == "spawn" else {"error": f"unknown op {request.get('op')!r}"}
+        op = request.get("op")
+        if op == "spawn":
+            reply = self.spawn(fds)
+        elif op == "reserve":
+            reply = self.reserve(request.get("count", 0))
+        else:
+            reply = {"error": f"unknown op {op!r}"}
         _send(self.control, reply)
         return True
 
