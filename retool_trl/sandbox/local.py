@@ -375,7 +375,8 @@ class LocalSandbox(CallResults):
             extra = max(0, keep - len(self._ready)) if len(taken) < len(sessions) else 0
         for proc in stale:
             proc.close()
-        fresh = self._handed_out(zygote, len(sessions) - len(taken) + extra) if len(taken) < len(sessions) else []
+        needed = len(sessions) - len(taken)
+        fresh = self._handed_out(zygote, needed, extra) if needed else []
         procs = taken + fresh[: len(sessions) - len(taken)]
         with self._ready_lock:
             spare = fresh[len(procs) - len(taken) :]
@@ -390,15 +391,17 @@ class LocalSandbox(CallResults):
             errors.append(None)
         return errors
 
-    def _handed_out(self, zygote: _Zygote, count: int) -> list[SessionProcess | str]:
-        """Asks the zygote for `count` jails in one round trip: a `SessionProcess` per jail, or the error text."""
-        pairs = [socket.socketpair() for _ in range(count)]
+    def _handed_out(self, zygote: _Zygote, count: int, extra: int = 0) -> list[SessionProcess | str]:
+        """Asks the zygote for `count` jails in one round trip, and for up to `extra` more that it has ready (never
+        forked for them: a fork on this path delays the caller): a `SessionProcess` per jail, or the error text."""
+        pairs = [socket.socketpair() for _ in range(count + extra)]
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        requests = [{"op": "spawn"}] * count + [{"op": "spawn", "ready_only": True}] * extra
         try:
-            replies = zygote.spawn_many([({"op": "spawn"}, theirs.fileno()) for _, theirs in pairs])
+            replies = zygote.spawn_many([(request, theirs.fileno()) for request, (_, theirs) in zip(requests, pairs)])
         except (OSError, ConnectionError, ValueError) as exc:
-            replies = [{"error": f"sandbox zygote failed: {exc}"}] * count
+            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(pairs)
         procs: list[SessionProcess | str] = []
         for (ours, theirs), reply in zip(pairs, replies):
             theirs.close()

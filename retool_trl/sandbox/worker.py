@@ -44,6 +44,7 @@ from session_process import (  # noqa: E402
 del sys.path[0]
 
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
+_SPARE_WEIGHT, _FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
 _RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
 _SA_NOCLDSTOP = 1
@@ -97,8 +98,10 @@ class _Zygote:
 
     # -------------------------------------------------------------------------------------------- forking jails
 
-    def _new_cgroups(self, name):
-        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written."""
+    def _new_cgroups(self, name, warm):
+        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written. A
+        spare started ahead of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice`
+        would weigh nothing against the running cells); `spawn` gives it the full weight."""
         made = {}
         period_us = 100_000
         for kind, root in self.config["cgroups"]:
@@ -110,12 +113,17 @@ class _Zygote:
                 "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
                 "pids": {"pids.max": self.config["max_processes"]},
                 # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
-                "cpu": {"cpu.cfs_period_us": period_us, "cpu.cfs_quota_us": period_us},
+                "cpu": {
+                    "cpu.cfs_period_us": period_us,
+                    "cpu.cfs_quota_us": period_us,
+                    "cpu.shares": _SPARE_WEIGHT if warm else _FULL_WEIGHT,
+                },
                 "v2": {
                     "memory.max": self.config["memory_mb"] << 20,
                     "memory.swap.max": 0,
                     "pids.max": self.config["max_processes"],
                     "cpu.max": f"{period_us} {period_us}",
+                    "cpu.weight": 10 if warm else 100,
                 },
             }.get(kind, {})
             for key, value in limits.items():
@@ -132,7 +140,7 @@ class _Zygote:
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)  # closed by the jail once set up, before any cell runs
         output = os.memfd_create("output", os.MFD_CLOEXEC)
         try:
-            cgroups = self._new_cgroups(name)
+            cgroups = self._new_cgroups(name, warm)
         except OSError:
             cgroups = {}
         if self.config["jail"]:
@@ -162,11 +170,11 @@ class _Zygote:
         self.selector.register(ready_r, selectors.EVENT_READ, ("ready", jail))
         return pid
 
-    def spawn(self, fds):
-        if len(fds) != 1:
+    def spawn(self, fds, ready_only=False):
+        if len(fds) != 1 or (ready_only and not self.spares):  # no fork for a jail the host only keeps at hand
             for fd in fds:
                 os.close(fd)
-            return {"error": "spawn needs exactly one socket"}
+            return {"error": "spawn needs exactly one socket" if len(fds) != 1 else "no jail ready"}
         host = socket.socket(fileno=fds[0])
         if not self.spares:
             try:
@@ -182,6 +190,13 @@ class _Zygote:
             os.setpriority(os.PRIO_PROCESS, jail.pid, 0)  # only root may lower niceness again: we are root here
         except OSError:
             pass
+        for kind, name, value in (("cpu", "cpu.shares", _FULL_WEIGHT), ("v2", "cpu.weight", 100)):
+            path = jail.cgroup_kinds.get(kind)
+            if path and os.path.exists(os.path.join(path, name)):
+                try:
+                    write_file(os.path.join(path, name), str(value))
+                except OSError:
+                    pass
         # The hello carries the jail's channels, and its pid as the host sees it: SCM_CREDENTIALS are translated
         # between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which we have as root).
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
@@ -389,7 +404,7 @@ class _Zygote:
             return False
         op = request.get("op")
         if op == "spawn":
-            reply = self.spawn(fds)
+            reply = self.spawn(fds, bool(request.get("ready_only")))
         elif op == "reserve":
             reply = self.reserve(request.get("count", 0))
         else:
