@@ -1,8 +1,14 @@
-"""How a jail died, and the zygote's quiet cleanup: standard library only (the zygote imports it as a sibling
-script module, inside the jail's bubblewrap)."""
+"""The zygote's side of its jails: its handle on each (`Jail`), the control socket's reader, how a jail died, and the
+quiet cleanup after it. Standard library only (the zygote imports it as a sibling script module, inside the
+sandbox's bubblewrap)."""
 
+import json
 import os
 import signal
+import socket
+import struct
+
+HEADER = struct.Struct("!I")
 
 
 def death_cause(status, cgroups) -> dict:
@@ -54,3 +60,58 @@ def rmdir_quietly(path) -> bool:
     except OSError:
         return False
     return True
+
+
+class Jail:
+    """The zygote's handle on one session process: its channels (until handed to the host) and its cgroups."""
+
+    def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
+        self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
+        self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
+        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}
+        self.cgroups = list(dict.fromkeys(cgroups.values()))
+        self.host = None  # the session's socket to the host, once handed out
+        self.set_up = False
+        self.closed = False
+
+    def hand_over(self, host):
+        """The host now holds the request and status pipes: only it writes requests and reads statuses."""
+        self.host = host
+        host.setblocking(False)
+        for fd in (self.request_w, self.status_r):
+            os.close(fd)
+        self.request_w = self.status_r = None
+
+    def close_fds(self):
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self.request_w, self.status_r, self.output, self.ready_r):
+            if fd is not None:
+                os.close(fd)
+        self.request_w = self.status_r = self.ready_r = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+
+def recv_control(sock):
+    """Reads one control frame and the descriptors riding on its first byte; (None, []) at EOF."""
+    fds = []
+    header, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
+    while header and len(header) < HEADER.size:
+        more = sock.recv(HEADER.size - len(header))
+        header = header + more if more else b""
+    if not header:
+        return None, fds
+    size = HEADER.unpack(header)[0]
+    data = b""
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            return None, fds
+        data += more
+    return json.loads(data), fds

@@ -25,21 +25,13 @@ import sys
 import time
 import traceback
 
-# The sibling modules `session_process.py` and `reaping.py`: python -I puts no script directory on sys.path, and
-# cells must not find this package's modules there either, so the directory is on it for these imports only.
+# The sibling modules `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script directory on
+# sys.path, and cells must not find this package's modules there either, so the directory is on it for these imports
+# only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reaping import death_cause, rmdir_quietly  # noqa: E402
-from session_process import (  # noqa: E402
-    CLONE_NEWPID,
-    Jail,
-    check,
-    frame,
-    libc,
-    probe_jail,
-    recv_control,
-    session_main,
-    write_file,
-)
+from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
+from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
+from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
 
