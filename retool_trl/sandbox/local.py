@@ -75,16 +75,19 @@ class LocalSandbox(CallResults):
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
     *jail* per session, ahead of demand: a process that is pid 1 of its own pid namespace, with its own mount, network
-    and IPC namespaces (private size-bounded /tmp, loopback only), memory and pids cgroups where the machine allows,
+    and IPC namespaces (private size-bounded /tmp and pseudo-terminals, loopback only), memory, pids, freezer and cpu
+    cgroups where the machine allows (one CPU at most per session, all sessions together under `total_memory_mb`),
     its own unprivileged uid, rlimits, a cleaned environment and a seccomp filter. State never leaks between sessions,
     a crash, timeout or memory blow-up only breaks that session, and whatever a cell starts (threads, child
-    processes) is stopped when the cell returns. The zygote, out of the cells' reach, reports every result: a cell
-    cannot end its call early, exceed the output limit or outlive its timeout or its session, whatever it writes.
+    processes) is stopped when the cell returns: a call is over only once its jail holds nothing but the parked
+    interpreter. The host, out of the cells' reach, reports every result: a cell cannot end its call early, exceed
+    the output limit, its CPU budget (all its processes together) or its timeout, or outlive its session.
 
     `run_many` executes a batch concurrently: up to `num_workers` cells use the CPUs at once, and cells that are
     blocked (sleeping, waiting) do not hold a slot, so a slow cell never holds up the rest.
 
-    Nothing starts before the first cell runs; `close()` (or the interpreter's exit) stops every process.
+    Nothing starts before the first cell runs (or `reserve`); `close()` (or the interpreter's exit) stops every
+    process.
     `isolation_report()` says which protections are in force on this machine.
 
     Args:

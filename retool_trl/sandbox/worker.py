@@ -120,7 +120,12 @@ class _Zygote:
             }.get(kind, {})
             for key, value in limits.items():
                 if os.path.exists(os.path.join(path, key)):
-                    write_file(os.path.join(path, key), str(value))
+                    try:
+                        write_file(os.path.join(path, key), str(value))
+                    except OSError:
+                        if not key.startswith("cpu"):
+                            raise
+                        # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
         return made
 
     def fork_jail(self, warm):
