@@ -178,7 +178,7 @@ class LocalSandbox(CallResults):
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._in_flight = InFlight()  # cells running now, over every thread's batches
+        self.in_flight = InFlight()  # cells running now, over every thread's batches
         self._host_scratch: str | None = None
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
@@ -359,7 +359,7 @@ class LocalSandbox(CallResults):
             raise RuntimeError("LocalSandbox is closed")
         return LocalSession(self)
 
-    def _spawn(self, sessions: list[LocalSession]) -> list[str | None]:
+    def open_jails(self, sessions: list[LocalSession]) -> list[str | None]:
         """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
         try:
             zygote = self._start()
@@ -439,5 +439,6 @@ class LocalSandbox(CallResults):
                 raise ValueError(f"run_many item {i}: the session does not belong to this LocalSandbox")
         return Batch(self, pairs).run()
 
-    def _refusal(self, session: LocalSession) -> ExecResult | None:
+    def refuse(self, session: LocalSession) -> ExecResult | None:
+        """The result of a call that cannot run (closed or broken session, closed sandbox), or None."""
         return refusal(session._closed or self._closed, session._broken)

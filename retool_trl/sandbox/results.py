@@ -22,7 +22,7 @@ class CallResults:
     """Mixed into `LocalSandbox`: the results of calls. Uses its `max_output_chars`, `timeout_s`, `cpu_time_s`,
     `memory_mb` and `_kill(session)`."""
 
-    def _reply_result(self, session, reply: dict, duration: float) -> ExecResult:
+    def result_of_reply(self, session, reply: dict, duration: float) -> ExecResult:
         """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
         the model sees."""
         try:
@@ -31,9 +31,9 @@ class CallResults:
             error = str(reply["error"]) if reply.get("error") else ""
             ok = bool(reply["ok"]) if crash is None else False
         except (KeyError, TypeError, ValueError):
-            return self._crash_result(session, duration, "the interpreter sent an invalid reply")
+            return self.result_of_crash(session, duration, "the interpreter sent an invalid reply")
         if crash is not None:
-            result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
+            result = self.result_of_crash(session, duration, crash=crash if isinstance(crash, dict) else {})
             return ExecResult(
                 self._bounded(head, tail, total, result.output),
                 ok=False,
@@ -60,20 +60,24 @@ class CallResults:
         output = cut_output(head, tail, total, limit - keep_error)
         return output + cut_output(error, error, len(error), keep_error, "tail")
 
-    def _cpu_limit_result(self, session, duration: float) -> ExecResult:
+    def result_of_cpu_limit(self, session, duration: float) -> ExecResult:
+        """The jail's processes together used more CPU than a call may: the session is killed and broken."""
         self._kill(session)
         session._mark_broken("timeout")
         line = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded (all the session's processes together)"
         return ExecResult(line, ok=False, timed_out=True, duration_s=duration)
 
-    def _timeout_result(self, session, duration: float) -> ExecResult:
+    def result_of_timeout(self, session, duration: float) -> ExecResult:
+        """The call ran past its wall-clock limit: the session is killed and broken."""
         self._kill(session)
         session._mark_broken("timeout")
         return ExecResult(
             f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
         )
 
-    def _crash_result(self, session, duration: float, why: str | None = None, crash: dict | None = None) -> ExecResult:
+    def result_of_crash(
+        self, session, duration: float, why: str | None = None, crash: dict | None = None
+    ) -> ExecResult:
         """The session process died (or misbehaved) during a cell: say why, in the cell's own terms.
 
         `crash` is the zygote's account of the death (its own wait status, out of the cell's reach); without one
