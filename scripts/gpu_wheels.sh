@@ -31,7 +31,8 @@ WHEELS=(
 )
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version "$PYVER" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 -d "$DEST" "${WHEELS[@]}"
+    --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 -d "$DEST" "${WHEELS[@]}" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)  # a local index that lacks a project
 # This package, as users install it (package data included).
 "$PYTHON" -m pip wheel --quiet --no-deps -w "$DEST" .
 
