@@ -227,12 +227,13 @@ class Timers:
 def make_sandbox(args):
     """The sandbox the config asks for; where it refuses to run as root without bubblewrap (a bare container), the
     check opts in (it runs only its own two cells) and says so."""
+    from retool_trl.sandbox import UnsafeSandboxError
     from retool_trl.sandbox.factory import sandbox_from_config
 
     sandbox = sandbox_from_config(args)
     try:
         return sandbox, sandbox.isolation_report()
-    except Exception as exc:  # noqa: BLE001 - the refusal is reported, then the check goes on without isolation
+    except UnsafeSandboxError as exc:  # reported in the JSON; the check goes on without isolation
         sandbox.close()
         args.sandbox_allow_root_without_isolation = True
         sandbox = sandbox_from_config(args)
@@ -429,6 +430,8 @@ def main() -> None:
             traceback.print_exc()
             result["errors"][name] = f"{type(exc).__name__}: {str(exc)[:500]}"
         print(f"gpu_check: {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        if cli.out:  # what is measured so far, in case the machine's time runs out before the end
+            write(cli.out, {**result, "partial": True})
         return result.get(name)
 
     section("mask_gradient", check_mask_gradient, cli.device, tmp)
@@ -458,11 +461,14 @@ def main() -> None:
         ]
     )
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    line = json.dumps(result)
     if cli.out:
-        Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cli.out).write_text(line + "\n")
-    print(line, flush=True)
+        write(cli.out, result)
+    print(json.dumps(result), flush=True)
+
+
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":
