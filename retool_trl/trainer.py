@@ -17,7 +17,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
-from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
+from .async_rollout import async_rollout
 from .config import ReToolConfig
 from .generation import TransformersBackend
 from .metrics import rollout_metrics
@@ -25,6 +25,7 @@ from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .sandbox.factory import sandbox_from_config
+from .server_engine import server_engine_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
 
@@ -133,14 +134,7 @@ class ReToolTrainer(GRPOTrainer):
 
     def _make_async_engine(self):
         """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint."""
-        return CompletionsEngine(
-            _server_url(self.args),
-            self._tokenizer,
-            self.args.code_end,
-            sampling=sampling_from_vllm(self.vllm_generation),
-            timeout_s=self.args.vllm_server_timeout,
-            max_connections=self.args.rollout_concurrency,
-        )
+        return server_engine_from_config(self.args, self._tokenizer, self.vllm_generation, _server_url(self.args))
 
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
@@ -188,6 +182,16 @@ class ReToolTrainer(GRPOTrainer):
         metrics = rollout_metrics(result, self.accelerator.gather)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
+            .mean()
+            .item()
+        )
+        # Turns that outlasted the user's request timeout, apart from the other engine failures.
+        metrics["retool/engine_timeout_ratio"] = (
+            self.accelerator.gather(
+                torch.tensor(
+                    [n > 0 for n in result.num_engine_timeouts], dtype=torch.float32, device=self.accelerator.device
+                )
+            )
             .mean()
             .item()
         )
