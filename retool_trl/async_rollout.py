@@ -3,8 +3,10 @@
 The barrier loop (`retool_trl.rollout.interleaved_rollout`) waits, at every turn, for the slowest sequence of the batch
 and the slowest snippet. Here each completion is a coroutine: it asks the engine for its next turn, runs its own
 snippet when the turn ends at the code-end tag, and asks again as soon as that snippet returns, while the others keep
-generating. A continuously batching engine (vLLM's server) packs the requests in flight into its batches, so neither
-a long turn nor a slow snippet holds anyone else back.
+generating. A continuously batching engine packs the requests in flight into its batches, so neither a long turn nor
+a slow snippet holds anyone else back. Two engines: vLLM's server (`retool_trl.server_engine.CompletionsEngine`, one
+HTTP request per turn) and the colocated engine of TRL's own `LLM`, driven request by request
+(`retool_trl.colocate_engine.ColocateEngine`).
 
 The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, retries, reward kwargs) is the barrier
 loop's own (`_Row.take_turn`, `run_cells`, `interpreter_blocks`, `rollout_result`), so both modes give the same

@@ -54,7 +54,7 @@ class ReToolConfig(GRPOConfig):
         rollout_mode (`str`, defaults to `"async"`):
             `"async"`: each completion runs its own generate -> execute -> continue loop, with vLLM (server or
             colocate mode). `"barrier"`: every turn waits for all sequences and snippets of the batch (always so with
-            transformers generation).
+            transformers generation, and with colocate `vllm_tensor_parallel_size` > 1).
         rollout_concurrency (`int`, defaults to `256`):
             Async rollout: completions in flight at once on each process.
         vllm_request_timeout_s (`float` or `None`, defaults to `None`):
@@ -136,8 +136,9 @@ class ReToolConfig(GRPOConfig):
         default="async",
         metadata={
             "help": "'async': each completion runs its own generate/execute loop and continues as soon as its own "
-            "snippet returns (vLLM server mode; elsewhere the barrier loop is used). 'barrier': every turn waits "
-            "for all sequences and snippets of the batch.",
+            "snippet returns (with vLLM, server or colocate mode; transformers generation and colocate tensor "
+            "parallelism use the barrier loop). 'barrier': every turn waits for all sequences and snippets of the "
+            "batch.",
             "choices": ["async", "barrier"],
         },
     )

@@ -18,6 +18,7 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
 from .async_rollout import async_rollout
+from .colocate_engine import ColocateEngine
 from .config import ReToolConfig
 from .generation import TransformersBackend
 from .metrics import rollout_metrics
@@ -98,9 +99,9 @@ class ReToolTrainer(GRPOTrainer):
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
         spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
-        if self.use_vllm and self.args.rollout_mode == "async" and self.vllm_generation.mode == "server":
-            # Each completion its own loop against the continuously batching server; every process sends its own
-            # requests (the server batches them), so no collective call is needed. Weights were synced by TRL.
+        if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
+            # Each completion its own loop against the continuously batching engine (the server, or this process's
+            # colocated engine driven request by request); no collective call is needed. Weights were synced by TRL.
             with profiling_context(self, "vLLM.async_rollout"):
                 return async_rollout(
                     prompt_ids,
@@ -133,7 +134,10 @@ class ReToolTrainer(GRPOTrainer):
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
 
     def _make_async_engine(self):
-        """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint."""
+        """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
+        colocated engine's request-level API."""
+        if self.vllm_generation.mode == "colocate":
+            return ColocateEngine(self.vllm_generation, self._tokenizer, self.args.code_end)
         return server_engine_from_config(self.args, self._tokenizer, self.vllm_generation, _server_url(self.args))
 
     def _make_generation_backend(self, unwrapped_model):
@@ -231,6 +235,13 @@ class ReToolTrainer(GRPOTrainer):
             problems = [result.num_tool_errors[r] + result.num_void_turns[r] for r in rows]
             keep += [rows[i] for i in resample_on_correct(correct, problems, group, self._roc_rng)]
         return select_rows(result, keep)
+
+
+def _async_applies(vllm_generation) -> bool:
+    """Whether the async rollout can drive this vLLM setup: the server, or a colocated engine of this process alone
+    (with tensor parallelism the engine is shared by several processes, whose calls are collective: barrier)."""
+    mode = getattr(vllm_generation, "mode", None)
+    return mode == "server" or (mode == "colocate" and getattr(vllm_generation, "tensor_parallel_size", 1) == 1)
 
 
 def _server_url(args) -> str:

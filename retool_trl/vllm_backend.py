@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from .colocate_engine import sleep_after_rollout, wake_for_rollout
 from .parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
 from .turns import finish_turn, turn_stops, user_stops
 from .types import TurnOutput
@@ -156,19 +157,13 @@ class VLLMBackend:
     def _keep_awake(self) -> None:
         # With sleep mode, TRL's helper sleeps (and later re-syncs all weights) after every call; a rollout makes a
         # call per turn, so wake the engine once and put it back to sleep in `finish`.
-        helper = self.vllm_generation
-        if getattr(helper, "mode", None) == "colocate" and getattr(helper, "enable_sleep_mode", False):
-            if helper._llm_weights_sleeping:
-                helper.sync_weights()
-            helper.llm.wake_up(tags=["kv_cache"])
-            helper.enable_sleep_mode, self._sleep_paused = False, True
+        self._sleep_paused |= wake_for_rollout(self.vllm_generation)
 
     def finish(self) -> None:
         """Called by the rollout at its end: restores the helper's sleep mode."""
         if self._sleep_paused:
-            helper = self.vllm_generation
-            helper.llm.sleep(level=2)
-            helper._llm_weights_sleeping, helper.enable_sleep_mode, self._sleep_paused = True, True, False
+            sleep_after_rollout(self.vllm_generation)
+            self._sleep_paused = False
 
 
 def use_reload_weights_on_cpu(vllm_generation) -> bool:
