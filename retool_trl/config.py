@@ -57,6 +57,18 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         interpreter_truncation (`str`, defaults to `"middle"`):
             Which part of a long output survives: `"head"`, `"tail"` or `"middle"` (both ends kept).
 
+        > Rollout
+
+        rollout_mode (`str`, defaults to `"async"`):
+            `"async"`: each completion runs its own generate -> execute -> continue loop, with vLLM (server or
+            colocate mode). `"barrier"`: every turn waits for all sequences and snippets of the batch (always so with
+            transformers generation, and with colocate `vllm_tensor_parallel_size` > 1).
+        rollout_concurrency (`int`, defaults to `256`):
+            Async rollout: completions in flight at once on each process.
+        vllm_request_timeout_s (`float` or `None`, defaults to `None`):
+            Async rollout in vLLM server mode: longest wait for one turn, in seconds (`None`: no limit). A turn past
+            it leaves its completion unscored and out of the loss, counted in `retool/engine_timeout_ratio`.
+
         > Sandbox
 
         sandbox_backend (`str`, defaults to `"local"`):
@@ -179,6 +191,11 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             raise ValueError(f"ReToolConfig.rollout_mode must be 'async' or 'barrier', got {self.rollout_mode!r}.")
         if self.rollout_concurrency < 1:
             raise ValueError(f"ReToolConfig.rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
+        if self.vllm_request_timeout_s is not None and self.vllm_request_timeout_s <= 0:
+            raise ValueError(
+                "ReToolConfig.vllm_request_timeout_s must be > 0 or None (no limit), got "
+                f"{self.vllm_request_timeout_s}."
+            )
         if self.sandbox_backend not in SANDBOX_BACKENDS:
             raise ValueError(
                 f"ReToolConfig.sandbox_backend must be one of {SANDBOX_BACKENDS}, got {self.sandbox_backend!r}."

@@ -71,14 +71,25 @@ class ReToolOptions:
         default="async",
         metadata={
             "help": "'async': each completion runs its own generate/execute loop and continues as soon as its own "
-            "snippet returns (vLLM server mode; elsewhere the barrier loop is used). 'barrier': every turn waits "
-            "for all sequences and snippets of the batch.",
+            "snippet returns (with vLLM, server or colocate mode; transformers generation and colocate tensor "
+            "parallelism use the barrier loop). 'barrier': every turn waits for all sequences and snippets of the "
+            "batch.",
             "choices": ["async", "barrier"],
         },
     )
     rollout_concurrency: int = field(
         default=256,
         metadata={"help": "Async rollout: completions in flight at once on each process (requests to the server)."},
+    )
+    vllm_request_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "Async rollout in vLLM server mode: longest wait for one turn's reply, in seconds; None (the "
+            "default) waits as long as the turn takes. A turn past it leaves its completion unscored and out of the "
+            "loss, counted in `retool/engine_timeout_ratio`. Connecting to the server is bounded either way, and a "
+            "server that goes away fails its requests at once. (`vllm_server_timeout` is how long to wait for the "
+            "server to start.)"
+        },
     )
     sandbox_backend: str = field(
         default="local",
@@ -163,6 +174,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "interpreter_end",
         "rollout_mode",
         "rollout_concurrency",
+        "vllm_request_timeout_s",
     ),
     "sandbox": (
         "sandbox_backend",

@@ -78,6 +78,8 @@ class RolloutResult:
     num_void_turns: list[int] = field(default_factory=list)
     # Engine calls (batched generate requests) of the rollout each completion came from: the same for all its rows.
     engine_calls: list[int] = field(default_factory=list)
+    # Turns that outlasted the user's request timeout (`vllm_request_timeout_s`); such a row is also `infra_failed`.
+    num_engine_timeouts: list[int] = field(default_factory=list)
 
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}
@@ -102,6 +104,7 @@ class _Row:
     timeouts: int = 0
     infra_errors: int = 0
     infra_failed: bool = False
+    engine_timeouts: int = 0
     void_turns: int = 0
     code_lines: int = 0
     turns: int = 0
@@ -124,7 +127,7 @@ class _Row:
         self.turns += 1
         self.append(out.token_ids, 1, out.logprobs)
         code = extract_code(text, spec.tags)
-        ended = not out.token_ids or out.token_ids[-1] in eos
+        ended = not out.token_ids or out.token_ids[-1] in eos or out.finished
         truncated = not ended and len(self.completion_ids) >= spec.max_completion_length
         if not truncated:  # a finished turn: void if it has neither code nor an answer
             self.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
@@ -236,6 +239,7 @@ def rollout_result(
         infra_failed=[r.infra_failed for r in rows],
         num_void_turns=[r.void_turns for r in rows],
         engine_calls=[engine_calls] * len(rows),
+        num_engine_timeouts=[r.engine_timeouts for r in rows],
     )
 
 

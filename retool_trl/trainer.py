@@ -19,7 +19,8 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
-from .async_rollout import CompletionsEngine, async_rollout, sampling_from_vllm
+from .async_rollout import async_rollout
+from .colocate_engine import ColocateEngine
 from .config import ReToolConfig
 from .errors import UserError
 from .generation import TransformersBackend
@@ -29,6 +30,7 @@ from .parsing import Tags, with_system_prompt
 from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
 from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
+from .server_engine import server_engine_from_config
 from .stability import dropped_from_loss, resample_on_correct, select_rows
 from .tokenizer_checks import declares_generic_tokenizer, load_tokenizer
 from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
@@ -111,9 +113,9 @@ class ReToolTrainer(GRPOTrainer):
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
         spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
-        if self.use_vllm and self.args.rollout_mode == "async" and self.vllm_generation.mode == "server":
-            # Each completion its own loop against the continuously batching server; every process sends its own
-            # requests (the server batches them), so no collective call is needed. Weights were synced by TRL.
+        if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
+            # Each completion its own loop against the continuously batching engine (the server, or this process's
+            # colocated engine driven request by request); no collective call is needed. Weights were synced by TRL.
             with profiling_context(self, "vLLM.async_rollout"):
                 return async_rollout(
                     prompt_ids,
@@ -146,15 +148,11 @@ class ReToolTrainer(GRPOTrainer):
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
 
     def _make_async_engine(self):
-        """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint."""
-        return CompletionsEngine(
-            _server_url(self.args),
-            self._tokenizer,
-            self.args.code_end,
-            sampling=sampling_from_vllm(self.vllm_generation),
-            timeout_s=self.args.vllm_server_timeout,
-            max_connections=self.args.rollout_concurrency,
-        )
+        """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
+        colocated engine's request-level API."""
+        if self.vllm_generation.mode == "colocate":
+            return ColocateEngine(self.vllm_generation, self._tokenizer, self.args.code_end)
+        return server_engine_from_config(self.args, self._tokenizer, self.vllm_generation, _server_url(self.args))
 
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
@@ -203,6 +201,16 @@ class ReToolTrainer(GRPOTrainer):
         metrics = rollout_metrics(result, self.accelerator.gather, self.accelerator.device)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
+            .mean()
+            .item()
+        )
+        # Turns that outlasted the user's request timeout, apart from the other engine failures.
+        metrics["retool/engine_timeout_ratio"] = (
+            self.accelerator.gather(
+                torch.tensor(
+                    [n > 0 for n in result.num_engine_timeouts], dtype=torch.float32, device=self.accelerator.device
+                )
+            )
             .mean()
             .item()
         )
@@ -273,6 +281,13 @@ def _check_chat_template(processing_class, datasets, model) -> None:
                 "the data as plain text (`prompt_format='plain'`, e.g. `load_math_dataset(name, "
                 "prompt_format='plain')`) or use a model whose tokenizer has a chat template."
             )
+
+
+def _async_applies(vllm_generation) -> bool:
+    """Whether the async rollout can drive this vLLM setup: the server, or a colocated engine of this process alone
+    (with tensor parallelism the engine is shared by several processes, whose calls are collective: barrier)."""
+    mode = getattr(vllm_generation, "mode", None)
+    return mode == "server" or (mode == "colocate" and getattr(vllm_generation, "tensor_parallel_size", 1) == 1)
 
 
 def _server_url(args) -> str:

@@ -10,11 +10,14 @@ CPU platform, whose linear layers are repacked after loading and no longer accep
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 
-from .parsing import first_stop
+from .colocate_engine import sleep_after_rollout, wake_for_rollout
+from .parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
+from .turns import finish_turn, turn_stops, user_stops
 from .types import TurnOutput
 
 
@@ -66,36 +69,81 @@ class VLLMBackend:
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end) -> list[TurnOutput]:
         groups = {stop: [i for i, s in enumerate(stop_at_code_end) if bool(s) == stop] for stop in (True, False)}
         plan = {stop: (len(rows), max((max_new_tokens[i] for i in rows), default=0)) for stop, rows in groups.items()}
+        counts = None
         if self.collective:  # every process makes the same calls with the same sizes (the largest of each group)
             local = torch.tensor([*plan[True], *plan[False]], device=self.accelerator.device)
-            agreed = self.accelerator.gather(local).view(-1, 4).max(dim=0).values.tolist()
+            every = self.accelerator.gather(local).view(-1, 4)
+            agreed = every.max(dim=0).values.tolist()
             plan = {True: (int(agreed[0]), int(agreed[1])), False: (int(agreed[2]), int(agreed[3]))}
+            counts = {True: every[:, 0].tolist(), False: every[:, 2].tolist()}  # real rows of each process
+        stops = user_stops(self.vllm_generation.generation_kwargs)
         outputs: list[TurnOutput | None] = [None] * len(sequences)
         for stop in (True, False):
             total, max_tokens = plan[stop]
             if total == 0:
                 continue
             rows = groups[stop]
-            # Padding rows (other processes have more sequences in this group) ask for one token and are dropped.
+            # Padding rows (other processes have more sequences in this group) are dropped; in server mode they are
+            # not even sent (see `_without_padding`).
             prompts = [list(sequences[i]) for i in rows] + [[self.tokenizer.eos_token_id]] * (total - len(rows))
-            completion_ids, logprobs = self._call(prompts, max(max_tokens, 1), stop)
+            with self._without_padding(counts[stop] if counts else None, total):
+                completion_ids, logprobs = self._call(
+                    prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
+                )
             for k, i in enumerate(rows):
-                ids = list(completion_ids[k])[: max_new_tokens[i]]
-                if stop and (cut := first_stop(ids, self.tokenizer, self.code_end)) is not None:
-                    ids = ids[:cut]
                 # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
-                lps = [lp[0] for lp in logprobs[k][: len(ids)]] if logprobs is not None else None
-                outputs[i] = TurnOutput(ids, lps)
+                lps = [lp[0] for lp in logprobs[k]] if logprobs is not None else None
+                outputs[i] = finish_turn(
+                    completion_ids[k], lps, self.tokenizer, self.code_end, stops, stop, max_new_tokens[i]
+                )
         return outputs
 
-    def _call(self, prompts: list[list[int]], max_tokens: int, stop: bool):
-        """One `helper.generate` call with this group's token budget and stop setting (restored afterwards)."""
+    @contextlib.contextmanager
+    def _without_padding(self, counts: list[int] | None, total: int):
+        """In server mode, the main process sends only the real rows of each process to the server.
+
+        TRL's helper gathers `total` prompts from every process and sends them in one request with one token budget
+        (the group's largest), so a padding row would make the shared server decode up to that budget for nothing.
+        Around the call, the main process's client sends only the real rows and answers the padding rows with an
+        empty completion, which their process drops; TRL's gathering, slicing and sampling settings stay as they are.
+        """
+        client = getattr(self.vllm_generation, "vllm_client", None)
+        if counts is None or client is None or getattr(self.vllm_generation, "mode", None) != "server":
+            yield
+            return
+        real = [rank * total + k for rank, count in enumerate(counts) for k in range(int(count))]
+        send, own = client.generate, vars(client).get("generate")
+
+        def generate(prompts, **kwargs):
+            if len(real) == len(prompts):
+                return send(prompts=prompts, **kwargs)
+            reply = send(prompts=[prompts[j] for j in real], **kwargs)
+            full = {"prompt_ids": [list(p) for p in prompts]}
+            for key in ("completion_ids", "logprobs", "logprob_token_ids"):
+                if reply.get(key) is not None:
+                    full[key] = [[] for _ in prompts]
+                    for j, value in zip(real, reply[key], strict=True):
+                        full[key][j] = value
+            return full
+
+        client.generate = generate
+        try:
+            yield
+        finally:
+            if own is None:
+                del client.generate  # the class's method again
+            else:
+                client.generate = own
+
+    def _call(self, prompts: list[list[int]], max_tokens: int, stops: list[str]):
+        """One `helper.generate` call with this group's token budget and stop strings (restored afterwards)."""
         self._keep_awake()
         helper = self.vllm_generation
         saved = helper.max_completion_length, helper.generation_kwargs
         kwargs = dict(saved[1] or {})
-        if stop:
-            kwargs.update(stop=[self.code_end], include_stop_str_in_output=True)
+        kwargs.pop("stop", None)
+        if stops:  # the user's stop strings on every turn, the code-end tag while calls are left
+            kwargs.update(stop=stops, include_stop_str_in_output=True)
         helper.max_completion_length, helper.generation_kwargs = max_tokens, kwargs
         self.engine_calls += 1
         try:
@@ -109,19 +157,13 @@ class VLLMBackend:
     def _keep_awake(self) -> None:
         # With sleep mode, TRL's helper sleeps (and later re-syncs all weights) after every call; a rollout makes a
         # call per turn, so wake the engine once and put it back to sleep in `finish`.
-        helper = self.vllm_generation
-        if getattr(helper, "mode", None) == "colocate" and getattr(helper, "enable_sleep_mode", False):
-            if helper._llm_weights_sleeping:
-                helper.sync_weights()
-            helper.llm.wake_up(tags=["kv_cache"])
-            helper.enable_sleep_mode, self._sleep_paused = False, True
+        self._sleep_paused |= wake_for_rollout(self.vllm_generation)
 
     def finish(self) -> None:
         """Called by the rollout at its end: restores the helper's sleep mode."""
         if self._sleep_paused:
-            helper = self.vllm_generation
-            helper.llm.sleep(level=2)
-            helper._llm_weights_sleeping, helper.enable_sleep_mode, self._sleep_paused = True, True, False
+            sleep_after_rollout(self.vllm_generation)
+            self._sleep_paused = False
 
 
 def use_reload_weights_on_cpu(vllm_generation) -> bool:

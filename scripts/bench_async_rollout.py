@@ -1,4 +1,4 @@
-"""Async vs barrier rollout, and ReTool vs TRL's own `tools=` loop, on a real vLLM server (one run, side by side).
+"""Async vs barrier rollout, and ReTool vs TRL's own `tools=` loop, on a real vLLM engine (server and colocated).
 
 A straggler workload, as real runs have: B completions, each with 2-4 code calls, turns of different lengths and
 long-tailed snippet latencies (most a few ms, some 100-300 ms; the snippets really sleep, in the local sandbox).
@@ -9,13 +9,17 @@ the same engine. The regex fixes the text, not its tokens: greedy decoding picks
 1. barrier: `interleaved_rollout` whose turns send every active sequence's request at once and wait for all, then
    run all snippets at once and wait for all (the barrier of today's loop, with the same requests);
 2. async: `async_rollout`, each completion its own loop;
-3. TRL: `GRPOTrainer(tools=[work])._generate` with the same server, a tiny model given TRL's bundled Qwen3
-   tool-calling chat template and its special tokens, every turn forced to one tool call: the same number of calls
-   per completion and the same latencies, in TRL's loop.
+3. TRL (server only): `GRPOTrainer(tools=[work])._generate` with the same server, a tiny model given TRL's bundled
+   Qwen3 tool-calling chat template and its special tokens, every turn forced to one tool call: the same number of
+   calls per completion and the same latencies, in TRL's loop.
+
+`--engine server` runs them against TRL's vLLM server, `--engine colocate` against a vLLM `LLM` in this process driven
+request by request (as `vllm_mode: colocate` does), `--engine both` (the default) one after the other. Each figure is
+the median over `--runs` (at least 3) alternated runs, printed with its min-max; the JSON carries all three.
 
 Run with the engines' environment (`bash scripts/test_engines.sh` builds it):
 
-    .venv-engines/bin/python scripts/bench_async_rollout.py [--batch 32] [--json]
+    .venv-engines/bin/python scripts/bench_async_rollout.py [--engine both] [--batch 32] [--runs 3] [--json]
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+import statistics  # noqa: E402
+
 import httpx  # noqa: E402
 
 from retool_trl.async_rollout import CompletionsEngine, async_rollout  # noqa: E402
+from retool_trl.colocate_engine import ColocateEngine  # noqa: E402
 from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 
@@ -206,6 +213,69 @@ class ForcedEngine(CompletionsEngine):
         return {"structured_outputs": {"regex": re.escape(script[turn])}} if turn < len(script) else {}
 
 
+class ForcedColocateEngine(ColocateEngine):
+    """The colocated engine, with each sequence's next scripted turn forced by a regex, as `ForcedEngine`."""
+
+    def __init__(self, *args, scripts: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scripts, self.turns, self.regex = scripts, {}, None
+        self.key_len = len(next(iter(scripts)))
+
+    async def generate(self, token_ids, max_tokens, stop_at_code_end):
+        key = tuple(token_ids[: self.key_len])
+        turn = self.turns.get(key, 0)
+        self.turns[key] = turn + 1
+        script = self.scripts[key]
+        # Read by `sampling_params`, which the parent calls before its first await (one coroutine runs at a time).
+        self.regex = re.escape(script[turn]) if turn < len(script) else None
+        return await super().generate(token_ids, max_tokens, stop_at_code_end)
+
+    def sampling_params(self, max_tokens, stop_at_code_end):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params = super().sampling_params(max_tokens, stop_at_code_end)
+        if self.regex is not None:
+            params.structured_outputs = StructuredOutputsParams(regex=self.regex)
+        return params
+
+
+def colocated_llm(model_dir: Path):
+    """A vLLM `LLM` in this process with TRL's colocate settings, and the attributes of TRL's helper the colocate
+    engine reads (greedy)."""
+    import types
+
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_batched_tokens=4096,
+        logprobs_mode="processed_logprobs",
+        seed=0,
+    )
+    return types.SimpleNamespace(
+        mode="colocate",
+        llm=llm,
+        tensor_parallel_size=1,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        logprobs=0,
+        generation_kwargs={},
+        structured_outputs_regex=None,
+        enable_sleep_mode=False,
+    )
+
+
+def spread(values) -> dict:
+    """Median and min-max of a list of figures."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 class BarrierOverEngine:
     """Today's barrier, with the same requests: a turn sends every active sequence's request at once and returns
     when the last one is back (the rollout then runs every snippet at once and waits for the last)."""
@@ -230,7 +300,8 @@ class BarrierOverEngine:
         self.loop.close()
 
 
-def retool_modes(url, tokenizer, workload, max_len):
+def retool_modes(target, tokenizer, workload, max_len, runs):
+    """Barrier and async, alternated `runs` times, against `target`: a server URL or a colocated helper."""
     prompts = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in workload]
     assert len({tuple(p) for p in prompts}) == len(prompts) and len({len(p) for p in prompts}) == 1
     spec = RolloutSpec(
@@ -242,12 +313,16 @@ def retool_modes(url, tokenizer, workload, max_len):
 
     def engine():
         scripts = {tuple(p): row["turns"] for p, row in zip(prompts, workload)}
-        return ForcedEngine(url, tokenizer, "</code>", sampling={"temperature": 0.0}, scripts=scripts)
+        if isinstance(target, str):
+            return ForcedEngine(target, tokenizer, "</code>", sampling={"temperature": 0.0}, scripts=scripts)
+        return ForcedColocateEngine(target, tokenizer, "</code>", scripts=scripts)
 
-    results, seconds, client_cpu = {}, {}, {}
+    results, seconds, client_cpu = {}, {"barrier": [], "async": []}, {"barrier": [], "async": []}
     with LocalSandbox(num_workers=2, timeout_s=5.0) as box:
         box.session().run("print(1)")  # the zygote is up before the clock starts
-        for mode in ("barrier", "async", "barrier", "async"):  # alternated, best of two
+        # One untimed pair first (compiling the regexes, warming the caches), then alternated timed runs, so that a
+        # load change hits both modes alike.
+        for k, mode in enumerate(("barrier", "async") * (runs + 1)):
             sandbox = Latencies(box, workload)
             started, cpu = time.perf_counter(), time.process_time()
             if mode == "async":
@@ -258,13 +333,44 @@ def retool_modes(url, tokenizer, workload, max_len):
                     result = interleaved_rollout(prompts, backend, sandbox, tokenizer, spec)
                 finally:
                     backend.close()
-            elapsed = time.perf_counter() - started
-            if elapsed < seconds.get(mode, float("inf")):
-                # This process's CPU time (requests, JSON, decoding turns, encoding interpreter blocks): the
-                # rollout's own overhead, which competes with the server for the same cores here.
-                seconds[mode], client_cpu[mode] = elapsed, time.process_time() - cpu
             results[mode] = result
+            if k < 2:
+                continue
+            seconds[mode].append(time.perf_counter() - started)
+            # This process's CPU time (requests, JSON, decoding turns, encoding interpreter blocks; with the colocated
+            # engine also the engine's own scheduling): the rollout's overhead, which competes for the same cores.
+            client_cpu[mode].append(time.process_time() - cpu)
     return results, seconds, client_cpu
+
+
+def same_outputs(results) -> bool:
+    a, b = results["async"], results["barrier"]
+    return (
+        a.completion_ids == b.completion_ids
+        and a.interpreter_mask == b.interpreter_mask
+        and a.extra_fields() == b.extra_fields()
+    )
+
+
+def engine_summary(prefix, results, seconds, client_cpu, workload) -> dict:
+    """Per-run ratios barrier/async (one per alternated pair): median and min-max, with the wall times."""
+    ratios = [b / a for b, a in zip(seconds["barrier"], seconds["async"], strict=True)]
+    ratio = spread(ratios)
+    summary = {
+        f"{prefix}async_vs_barrier": ratio["median"],
+        f"{prefix}async_vs_barrier_min": ratio["min"],
+        f"{prefix}async_vs_barrier_max": ratio["max"],
+        f"{prefix}same_outputs": same_outputs(results),
+        f"{prefix}barrier_seconds": statistics.median(seconds["barrier"]),
+        f"{prefix}async_seconds": statistics.median(seconds["async"]),
+        f"{prefix}client_cpu_seconds_async": statistics.median(client_cpu["async"]),
+        f"{prefix}client_cpu_seconds_barrier": statistics.median(client_cpu["barrier"]),
+        f"{prefix}engine_requests": results["async"].engine_calls[0],
+        f"{prefix}calls": sum(results["async"].num_tool_calls),
+        f"{prefix}tokens": sum(len(ids) for ids in results["async"].completion_ids),
+        f"{prefix}snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
+    }
+    return summary, ratio, {mode: spread(values) for mode, values in seconds.items()}
 
 
 # ----------------------------------------------------------------------------------------------------- TRL's loop
@@ -276,7 +382,7 @@ def trl_tools(url, model_dir, workload, max_len):
     from trl.generation import vllm_client
 
     latencies = [latency for row in workload for latency in row["latencies"]]
-    calls = iter(latencies)
+    calls = iter(latencies)  # reset by every run
 
     def work() -> str:
         """Runs the next piece of work.
@@ -315,82 +421,107 @@ def trl_tools(url, model_dir, workload, max_len):
         tools=[work],
     )
     trainer._last_loaded_step = trainer.state.global_step  # nothing to sync
-    # The per-rollout tool tables that `_generate_and_score_completions` builds before calling `_generate`.
-    trainer._sync_tool_dicts = [{"work": work} for _ in workload]
-    trainer._async_tool_dicts = [{} for _ in workload]
     prompts = [[{"role": "user", "content": "Work."}] for _ in workload]
-    started = time.perf_counter()
-    _, completion_ids, tool_mask, *_ = trainer._generate(prompts)
-    elapsed = time.perf_counter() - started
-    return elapsed, sum(len(ids) for ids in completion_ids), sum(sum(mask) for mask in tool_mask)
+
+    def run():
+        nonlocal calls
+        calls = iter(latencies)
+        # The per-rollout tool tables that `_generate_and_score_completions` builds before calling `_generate`.
+        trainer._sync_tool_dicts = [{"work": work} for _ in workload]
+        trainer._async_tool_dicts = [{} for _ in workload]
+        started = time.perf_counter()
+        _, completion_ids, tool_mask, *_ = trainer._generate(prompts)
+        elapsed = time.perf_counter() - started
+        return elapsed, sum(len(ids) for ids in completion_ids), sum(sum(mask) for mask in tool_mask)
+
+    return run
+
+
+def trl_comparison(url, model_dir, tokenizer, max_len, batch, seed, runs) -> dict:
+    """TRL's `tools=` loop vs ReTool's async loop, alternated `runs` times (3 calls per completion, no prose, so that
+    the tokens match too)."""
+    fixed = make_workload(batch, seed + 1, calls=3, prose=False)
+    trl_run = trl_tools(url, model_dir, fixed, max_len)
+    trl_run()  # untimed: TRL's first call warms its own caches
+    trl_seconds, ours_seconds = [], []
+    for _ in range(runs):
+        trl_seconds_once, trl_tokens, trl_sampled = trl_run()
+        trl_seconds.append(trl_seconds_once)
+        ours, seconds, _ = retool_modes(url, tokenizer, fixed, max_len, runs=1)
+        ours_seconds.append(seconds["async"][0])
+    ratio = spread([t / o for t, o in zip(trl_seconds, ours_seconds, strict=True)])
+    return {
+        "trl_tools_vs_retool": ratio["median"],
+        "trl_tools_vs_retool_min": ratio["min"],
+        "trl_tools_vs_retool_max": ratio["max"],
+        "trl_seconds": statistics.median(trl_seconds),
+        "trl_ours_seconds": statistics.median(ours_seconds),
+        "trl_calls": 3 * len(fixed),
+        "trl_ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
+        "trl_ours_sampled_tokens": sum(sum(mask) for mask in ours["async"].interpreter_mask),
+        "trl_sampled_tokens": trl_sampled,
+        "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
+        "trl_tokens": trl_tokens,
+    }
+
+
+def print_engine(title, ratio, walls):
+    print(f"{title}: barrier/async {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
+    for mode in ("barrier", "async"):
+        w = walls[mode]
+        print(f"  {mode:<8} wall s: median {w['median']:.2f} (min {w['min']:.2f}, max {w['max']:.2f})")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=("both", "server", "colocate"), default="both")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=3, help="Alternated runs per figure (at least 3).")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-trl", action="store_true", help="Skip TRL's tools= loop.")
     args = parser.parse_args()
+    if args.runs < 3:
+        parser.error("--runs must be at least 3: one run cannot tell a change from noise")
 
+    summary = {"batch": args.batch, "runs": args.runs}
+    workload = make_workload(args.batch, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         tokenizer = build_model(model_dir)
-        server = Server(model_dir, Path(tempfile.gettempdir()) / "retool_bench_async_vllm.log")
-        try:
-            workload = make_workload(args.batch, args.seed)
-            results, seconds, client_cpu = retool_modes(server.url, tokenizer, workload, args.max_len)
-            same = (
-                results["async"].completion_ids == results["barrier"].completion_ids
-                and results["async"].interpreter_mask == results["barrier"].interpreter_mask
-                and results["async"].extra_fields() == results["barrier"].extra_fields()
-            )
-            calls = sum(results["async"].num_tool_calls)
-            tokens = sum(len(ids) for ids in results["async"].completion_ids)
-            trl = None
-            if not args.skip_trl:
-                # TRL's loop gives every completion the same number of calls; no prose, so the tokens match too.
-                fixed = make_workload(args.batch, args.seed + 1, calls=3, prose=False)
-                trl_seconds, trl_tokens, trl_sampled = trl_tools(server.url, model_dir, fixed, args.max_len)
-                ours, ours_seconds, _ = retool_modes(server.url, tokenizer, fixed, args.max_len)
-                trl = {
-                    "trl_seconds": trl_seconds,
-                    "ours_seconds": ours_seconds["async"],
-                    "calls": 3 * len(fixed),
-                    "ours_tokens": sum(len(ids) for ids in ours["async"].completion_ids),
-                    "ours_sampled_tokens": sum(sum(mask) for mask in ours["async"].interpreter_mask),
-                    "trl_sampled_tokens": trl_sampled,
-                    "trl_snippet_seconds_total": sum(sum(row["latencies"]) for row in fixed),
-                    "trl_tokens": trl_tokens,
-                }
-        finally:
-            server.stop()
-
-    summary = {
-        "async_vs_barrier": seconds["barrier"] / seconds["async"],
-        "same_outputs": bool(same),
-        "barrier_seconds": seconds["barrier"],
-        "async_seconds": seconds["async"],
-        "batch": args.batch,
-        "calls": calls,
-        "tokens": tokens,
-        "snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
-        "client_cpu_seconds_async": client_cpu["async"],
-        "client_cpu_seconds_barrier": client_cpu["barrier"],
-        "engine_requests": results["async"].engine_calls[0],
-    }
-    print(f"{'rollout':<40}{'wall s':>10}{'x async':>10}")
-    print(f"{'barrier (per-turn wait)':<40}{seconds['barrier']:>10.2f}{summary['async_vs_barrier']:>10.2f}")
-    print(f"{'async (each completion its own loop)':<40}{seconds['async']:>10.2f}{1.0:>10.2f}")
-    if trl is not None:
-        summary["trl_tools_vs_retool"] = trl["trl_seconds"] / trl["ours_seconds"]
-        summary.update({f"trl_{k}" if not k.startswith("trl") else k: v for k, v in trl.items()})
-        print(
-            f"{'TRL tools= loop (3 calls each)':<40}{trl['trl_seconds']:>10.2f}{summary['trl_tools_vs_retool']:>10.2f}"
-        )
-        print(f"{'ReTool async (3 calls each)':<40}{trl['ours_seconds']:>10.2f}{1.0:>10.2f}")
-    print(f"B={args.batch}, {calls} calls, {tokens} completion tokens, same outputs: {summary['same_outputs']}")
+        if args.engine in ("both", "server"):
+            server = Server(model_dir, Path(tempfile.gettempdir()) / "retool_bench_async_vllm.log")
+            try:
+                results, seconds, cpu = retool_modes(server.url, tokenizer, workload, args.max_len, args.runs)
+                part, ratio, walls = engine_summary("", results, seconds, cpu, workload)
+                summary.update(part)
+                print_engine("vLLM server", ratio, walls)
+                if not args.skip_trl:
+                    trl = trl_comparison(
+                        server.url, model_dir, tokenizer, args.max_len, args.batch, args.seed, args.runs
+                    )
+                    summary.update(trl)
+                    print(
+                        f"TRL tools= loop / ReTool async (3 calls each): {trl['trl_tools_vs_retool']:.2f} "
+                        f"(min {trl['trl_tools_vs_retool_min']:.2f}, max {trl['trl_tools_vs_retool_max']:.2f}); "
+                        f"median wall s {trl['trl_seconds']:.2f} vs {trl['trl_ours_seconds']:.2f}"
+                    )
+            finally:
+                server.stop()
+        if args.engine in ("both", "colocate"):
+            helper = colocated_llm(model_dir)
+            try:
+                results, seconds, cpu = retool_modes(helper, tokenizer, workload, args.max_len, args.runs)
+            finally:
+                helper.llm.llm_engine.engine_core.shutdown()  # its engine-core process, or the exit waits on it
+            part, ratio, walls = engine_summary("colocate_", results, seconds, cpu, workload)
+            summary.update(part)
+            print_engine("vLLM colocated (request-level API)", ratio, walls)
+    if "same_outputs" in summary or "colocate_same_outputs" in summary:
+        summary.setdefault("same_outputs", summary.get("colocate_same_outputs"))
+        summary["same_outputs"] = bool(summary["same_outputs"] and summary.get("colocate_same_outputs", True))
+    print(f"B={args.batch}, {args.runs} alternated runs per figure, same outputs: {summary.get('same_outputs')}")
     if args.json:
         print(json.dumps(summary))
 

@@ -3,11 +3,11 @@ collective checked as NCCL checks it: `nccl_harness`).
 
     torchrun --nproc_per_node 2 tests/multiproc_worker.py MODE OUT_DIR [SERVER_URL]
 
-MODE: `ddp` (transformers backend, a tiny Qwen2 forced to scripted completions) or `vllm_server` (greedy quickstart
-model through a real vLLM server). FSDP is not run: accelerate enables it only for multi-device distributed types,
-never for several CPU processes. Prompts are split so that the ranks need different numbers of turns
-(rank 0's completions call code twice, rank 1's never). Each rank writes `OUT_DIR/rank{R}.json`: prompt -> the
-completion's text and interpreter mask, and the training losses.
+MODE: `ddp` (transformers backend, a tiny Qwen2 forced to scripted completions), `vllm_server` (greedy quickstart
+model through a real vLLM server) or `vllm_colocate` (greedy quickstart model, one colocated engine per rank). FSDP
+is not run: accelerate enables it only for multi-device distributed types, never for several CPU processes. Prompts
+are split so that the ranks need different numbers of turns (rank 0's completions call code, rank 1's never). Each
+rank writes `OUT_DIR/rank{R}.json`: prompt -> the completion's text and interpreter mask, and the training losses.
 """
 
 from __future__ import annotations
@@ -175,6 +175,43 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
     return {"completions": completions, "losses": []}
 
 
+def rollout_colocate(out_dir: Path, rank: int, world: int) -> dict:
+    """Each rank its own colocated engine; both loops, on ranks that need different numbers of turns (the async loop
+    makes no collective call, so a rank that is done returns while the other still generates)."""
+    from retool_trl.quickstart import model_path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_helpers import engine_config, quickstart_tokenizer
+
+    prompts_by_rank = json.loads((out_dir / "prompts.json").read_text())
+    tokenizer = quickstart_tokenizer()
+    args = engine_config(
+        out_dir / "run", use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=2, num_generations=2
+    )
+    with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
+        dataset = Dataset.from_list([{"prompt": "x", "answer": "1"}] * 8)
+        trainer = ReToolTrainer(
+            model_path(), args=args, train_dataset=dataset, processing_class=tokenizer, sandbox=sandbox
+        )
+        trainer.vllm_generation.temperature = 0.0  # greedy: both loops give the same completions
+        trainer._last_loaded_step = trainer.state.global_step
+        trainer.model.train()
+        completions, turns = {}, {}
+        for mode in ("barrier", "async"):
+            trainer.args.rollout_mode = mode
+            completions[mode] = seen = {}
+            generate, rollout = trainer._generate, trainer._generate_rollout
+            record(trainer, seen)
+            notes = []
+            trainer._generate_rollout = lambda ids, rollout=rollout, notes=notes: (
+                notes.append(rollout(ids)) or notes[-1]
+            )
+            trainer._generate(prompts_by_rank[rank])
+            turns[mode] = notes[-1].num_turns
+            trainer._generate, trainer._generate_rollout = generate, rollout
+    return {"completions": completions, "turns": turns, "losses": []}
+
+
 def main() -> None:
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -185,8 +222,10 @@ def main() -> None:
         result = train_scripted(out_dir, rank, world)
     elif mode == "vllm_server":
         result = rollout_server(out_dir, rank, world, sys.argv[3])
+    elif mode == "vllm_colocate":
+        result = rollout_colocate(out_dir, rank, world)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use ddp or vllm_server")
+        raise SystemExit(f"unknown mode {mode!r}: use ddp, vllm_server or vllm_colocate")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
         dist.barrier()

@@ -287,6 +287,7 @@ def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
     trainer.current_gradient_accumulation_steps = 1
     inputs = trainer._generate_and_score_completions([{"prompt": "Q:"}] * 3)
     assert len(engines) == 1 and engines[0].turns == [3, 1, 3]
+    assert trainer._metrics["train"]["retool/engine_timeout_ratio"] == [0.0]  # logged, apart from other failures
     tool_mask, ids, real = inputs["tool_mask"].bool(), inputs["completion_ids"], inputs["completion_mask"].bool()
     assert (~tool_mask & real).any()
     assert torch.allclose(inputs["sampling_per_token_logps"][tool_mask & real], -ids[tool_mask & real].float() / 1000)

@@ -46,3 +46,18 @@ def test_ddp_ranks_with_different_turns_match_one_process(tmp_path):
     assert merged_completions(two) == merged_completions(one)
     texts = [text for completions in merged_completions(one).values() for text, _ in completions]
     assert sum("<interpreter>31\n</interpreter>" in t for t in texts) == 2  # the code really ran, state kept
+
+
+def test_colocate_async_two_processes_with_different_turns(tmp_path):
+    """Two training processes, each with its own colocated engine, in the async loop (the default): rank 0's
+    completions call code (two turns), rank 1's answer at once (one turn). Both finish, with the barrier loop's
+    completions."""
+    from engine_helpers import quickstart_dataset
+
+    texts = list(quickstart_dataset(4, seed=1)["prompt"])
+    solved = [f"{t}<code>print({t[8:-2]})</code><interpreter>{eval(t[8:-2])}\n</interpreter>" for t in texts[2:]]
+    (tmp_path / "prompts.json").write_text(json.dumps([texts[:2], solved]))
+    ranks = launch("vllm_colocate", tmp_path, 2)
+    assert ranks[0]["turns"]["async"] == [2, 2] and ranks[1]["turns"]["async"] == [1, 1], ranks
+    for rank in ranks:
+        assert rank["completions"]["async"] == rank["completions"]["barrier"]

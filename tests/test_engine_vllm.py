@@ -96,6 +96,43 @@ def test_colocate_greedy_rollout_equals_transformers(colocate_trainer, tokenizer
     assert ours.engine_calls[0] <= max(reference.num_turns) + 1
 
 
+# Before the tests below train and perturb the shared engine's weights (the quickstart model must still call code).
+def greedy_colocate_async(helper, tokenizer, sandbox, prompts, spec):
+    from retool_trl.async_rollout import async_rollout
+    from retool_trl.colocate_engine import ColocateEngine
+
+    saved, helper.temperature = helper.temperature, 0.0
+    try:
+        return async_rollout(
+            prompts, ColocateEngine(helper, tokenizer, "</code>"), sandbox, tokenizer, spec, max_concurrency=8
+        )
+    finally:
+        helper.temperature = saved
+
+
+@pytest.mark.parametrize("snippet_timeout", [False, True], ids=["ok", "snippet-timeout"])
+def test_colocate_async_rollout_equals_barrier(colocate_trainer, tokenizer, snippet_timeout):
+    """Each completion its own loop on the colocated engine (request-level API): the same completions, masks,
+    log-probs and reward kwargs as the batched per-turn loop through TRL's `LLM.generate`, under greedy decoding."""
+    helper = colocate_trainer.vllm_generation
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    prompts = prompt_ids_of(tokenizer, n=12, seed=4)
+    with LocalSandbox(num_workers=2, timeout_s=0.5 if snippet_timeout else 10.0) as inner:
+        box = SleepsFirst(inner) if snippet_timeout else inner
+        barrier = greedy_vllm_rollout(helper, tokenizer, box, prompts, spec)
+        ours = greedy_colocate_async(helper, tokenizer, box, prompts, spec)
+    assert sum(barrier.num_tool_calls) > 0
+    assert (sum(barrier.num_tool_timeouts) > 0) == snippet_timeout
+    assert not any(ours.infra_failed)
+    assert ours.completion_ids == barrier.completion_ids
+    assert ours.interpreter_mask == barrier.interpreter_mask
+    assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
+    for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    assert ours.engine_calls[0] == sum(ours.num_turns)  # one request per turn of each completion
+    assert not helper.llm.llm_engine.has_unfinished_requests()
+
+
 def test_colocate_trainer_trains_through_vllm(colocate_trainer):
     colocate_trainer.train()
     logs = [h for h in colocate_trainer.state.log_history if "loss" in h]
@@ -306,3 +343,57 @@ def test_trainer_async_mode_through_trl_generate(server_trainer):
     )
     assert [len(m) for m in tool_mask] == [len(c) for c in completion_ids] == [len(lp) for lp in logprobs]
     assert len(extra["num_tool_calls"]) == 8 and not any(extra["infra_failed"])
+
+
+def test_colocate_async_trains_with_lora(tmp_path, tokenizer, sandbox):
+    """The single-GPU LoRA setup (colocated vLLM, async rollout by default): two steps train through the async loop,
+    and TRL's weight sync (LoRA merged into the base weights) reaches the engine the loop drives."""
+    from peft import LoraConfig
+
+    args = engine_config(tmp_path, use_vllm=True, vllm_mode="colocate", learning_rate=1e-3, beta=0.0)
+    assert args.rollout_mode == "async"
+    trainer = ReToolTrainer(
+        model_path(),
+        args=args,
+        train_dataset=quickstart_dataset(16),
+        processing_class=tokenizer,
+        sandbox=sandbox,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and trainer.state.global_step == 2
+    for entry in logs:
+        assert torch.isfinite(torch.tensor(entry["loss"]))
+        # The async loop ran: one engine request per turn of each of the 8 completions (the barrier makes one call
+        # per turn of the batch).
+        assert entry["retool/engine_calls_per_rollout"] == pytest.approx(entry["retool/turns_per_completion"] * 8)
+        assert entry["sampling/sampling_logp_difference/mean"] < 0.05
+    # The engine follows the adapted policy: move the adapter far, sync as TRL does at the next step, compare.
+    helper, model = trainer.vllm_generation, trainer.model
+    ids = tokenizer("What is 12*34?\n<code>print(12*34)</code>", add_special_tokens=False)["input_ids"]
+    before = policy_logprobs(model, ids)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    after = policy_logprobs(model, ids)
+    assert (after - before).abs().mean().item() > 0.3
+    helper.sync_weights()
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    engine = vllm_prompt_logprobs(helper.llm, ids)
+    # Far-off logits round differently in vLLM's CPU kernels: "follows" = much closer to the new policy than the old.
+    to_after, to_before = (engine - after).abs().mean().item(), (engine - before).abs().mean().item()
+    assert to_after < 0.1 and to_after < to_before / 4, (to_after, to_before)
+    # ...and the async loop samples from it (temperature 1): its sampling log-probs are the adapted policy's.
+    from retool_trl.async_rollout import async_rollout
+    from retool_trl.colocate_engine import ColocateEngine
+
+    prompts = prompt_ids_of(tokenizer, n=4, seed=7)
+    result = async_rollout(prompts, ColocateEngine(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
+    row, prompt = result.completion_ids[0], prompts[0]
+    policy = policy_logprobs(model, prompt + row)[len(prompt) - 1 :]
+    sampled = torch.tensor(result.logprobs[0])
+    mask = torch.tensor(result.interpreter_mask[0], dtype=torch.bool)
+    assert (sampled[mask] - policy[mask]).abs().mean().item() < 0.1

@@ -91,6 +91,7 @@ def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
         report_to="none",
         bf16=False,
         use_cpu=True,
+        rollout_mode="barrier",  # TRL's helper, batched per turn (colocate async drives the engine itself)
     )
     trainer = ReToolTrainer(
         save_tiny_model(tmp_path / "m", tokenizer),

@@ -1,0 +1,84 @@
+"""What every vLLM turn engine does with a turn: the stop strings it asks for, and how it cuts and checks the reply.
+
+Shared by the barrier backend (`retool_trl.vllm_backend`) and the async engines (`retool_trl.server_engine`,
+`retool_trl.colocate_engine`), so that all of them end a turn at the same token for the same reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .parsing import first_stop
+from .types import TurnOutput
+
+
+class EngineError(RuntimeError):
+    """The generation engine failed (connection lost, server error, a malformed reply): infrastructure, not the
+    model's fault."""
+
+
+class EngineTimeoutError(EngineError):
+    """A turn took longer than the request timeout the user set (`ReToolConfig.vllm_request_timeout_s`)."""
+
+
+class EngineRequestError(ValueError):
+    """The server refused a request as invalid (HTTP 4xx): raised, so that a misconfigured run stops."""
+
+
+def user_stops(generation_kwargs: dict | None) -> list[str]:
+    """The stop strings the user asked for in `generation_kwargs["stop"]` (a string or a list)."""
+    stop = (generation_kwargs or {}).get("stop") or []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def turn_stops(code_end: str, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
+    """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the code-end
+    tag while the completion may still call code."""
+    return [*stops, code_end] if stop_at_code_end else list(stops)
+
+
+def finish_turn(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float] | None,
+    tokenizer,
+    code_end: str,
+    stops: Sequence[str],
+    stop_at_code_end: bool,
+    max_tokens: int,
+) -> TurnOutput:
+    """The turn as the rollout takes it, from an engine's reply (asked with `turn_stops(...)` and the stop strings
+    kept in the output).
+
+    Whole tokens are kept: the turn ends at the token completing the first stop string, anything after it is cut. A
+    user's stop string ends the completion (`TurnOutput.finished`); the code-end tag ends only the turn.
+
+    Raises:
+        EngineError: The engine returned a different number of log-probs than tokens (they could not be aligned).
+    """
+    ids = list(token_ids)
+    if logprobs is not None and len(logprobs) != len(ids):
+        raise EngineError(
+            f"the engine returned {len(logprobs)} log-probs for {len(ids)} tokens: the sampling log-probs cannot be "
+            "aligned with the tokens (is the server a vLLM server started with TRL's settings?)"
+        )
+    ids = ids[:max_tokens]
+    end, finished = None, False
+    if stop_at_code_end:
+        end = first_stop(ids, tokenizer, code_end)
+    for stop in stops:  # a stop string completed at or before the code-end tag's token ends the completion
+        cut = first_stop(ids if end is None else ids[:end], tokenizer, stop)
+        if cut is not None:
+            end, finished = cut, True
+    if end is not None:
+        ids = ids[:end]
+    return TurnOutput(ids, [float(lp) for lp in logprobs[: len(ids)]] if logprobs is not None else None, finished)
+
+
+__all__ = [
+    "EngineError",
+    "EngineRequestError",
+    "EngineTimeoutError",
+    "finish_turn",
+    "turn_stops",
+    "user_stops",
+]
