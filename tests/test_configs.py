@@ -128,6 +128,8 @@ def test_quickstart_config_matches_the_quickstart_command():
     assert raw["max_train_samples"] == defaults.num_train
     for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
         assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
+    assert raw["lr_scheduler_type"] == "warmup_stable_decay"
+    assert raw["lr_scheduler_kwargs"] == {"num_decay_steps": defaults.lr_decay_steps}
     assert int(raw["dataset_config"]) == quickstart.QuickstartTask().difficulty
 
 
@@ -140,6 +142,8 @@ def test_multiturn_config_matches_the_quickstart_command():
     assert raw["per_device_train_batch_size"] == defaults.prompts_per_step * defaults.num_generations
     for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
         assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
+    assert raw["lr_scheduler_type"] == "warmup_stable_decay"
+    assert raw["lr_scheduler_kwargs"] == {"num_decay_steps": defaults.lr_decay_steps}
     for key in ("max_cell_chars", "max_tool_calls", "max_interpreter_output_chars"):
         assert raw[key] == getattr(task, key), key
     assert raw["interpreter_errors"] == "last_line" and raw["dataset_name"] == "multiturn"

@@ -70,3 +70,27 @@ def test_the_table_leaves_out_what_a_task_does_not_log():
 def test_the_cli_refuses_bad_seeds_before_any_work():
     with pytest.raises(UserError, match="--seeds 'x' is not a list of seeds"):
         main(["--seeds", "x"])
+
+
+def test_the_quickstart_learning_rate_is_constant_then_decays_to_zero(tmp_path):
+    """The trained model is the last update's: the rate holds for the first steps and reaches 0 at the last one."""
+    import torch
+    from transformers import get_scheduler
+
+    from retool_trl.quickstart import QuickstartArguments, rl_config
+
+    args = QuickstartArguments(max_steps=40, lr_decay_steps=15)
+    config = rl_config(args, tmp_path, with_tools=True)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    scheduler = get_scheduler(
+        config.lr_scheduler_type, optimizer, 0, args.max_steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs
+    )
+    rates = []
+    for _ in range(args.max_steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:25] == [pytest.approx(3e-4)] * 25
+    assert all(a > b for a, b in zip(rates[25:], rates[26:])) and rates[-1] < 0.02 * 3e-4
+    constant = rl_config(QuickstartArguments(lr_decay_steps=0), tmp_path, with_tools=True)
+    assert constant.lr_scheduler_type == "constant"

@@ -31,7 +31,12 @@ class QuickstartArguments:
         max_steps (`int`): GRPO steps of each run.
         prompts_per_step (`int`): Problems per GRPO step.
         num_generations (`int`): Samples per problem (GRPO group size).
-        learning_rate (`float`): GRPO learning rate (constant).
+        learning_rate (`float`): GRPO learning rate, constant until the last `lr_decay_steps` steps.
+        lr_decay_steps (`int`): Steps at the end over which the learning rate decays to 0 (warmup-stable-decay
+            schedule, no warmup); 0 keeps it constant. The decay is what makes the trained model a stable one: at a
+            constant rate single updates now and then break the tiny model's copying of digits for a step, and the
+            last update decides what is evaluated (held-out accuracy spread over 89-99% across seeds at a constant
+            rate).
         beta (`float`): KL coefficient to the starting model. Without it the tiny model's copying of short numbers
             (e.g. two-digit remainders into `\\boxed{}`) degrades while the policy shifts towards calling code.
         temperature (`float`): Sampling temperature of training and evaluation.
@@ -49,7 +54,10 @@ class QuickstartArguments:
     max_steps: int = field(default=40, metadata={"help": "GRPO steps of each run."})
     prompts_per_step: int = field(default=8, metadata={"help": "Problems per GRPO step."})
     num_generations: int = field(default=8, metadata={"help": "Samples per problem (GRPO group size)."})
-    learning_rate: float = field(default=3e-4, metadata={"help": "GRPO learning rate (constant)."})
+    learning_rate: float = field(default=3e-4, metadata={"help": "GRPO learning rate (constant, then decayed)."})
+    lr_decay_steps: int = field(
+        default=15, metadata={"help": "Last steps over which the learning rate decays to 0 (0: constant)."}
+    )
     beta: float = field(default=0.2, metadata={"help": "KL coefficient to the starting model."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (training and evaluation)."})
     num_train: int = field(default=512, metadata={"help": "Training problems."})
@@ -63,6 +71,8 @@ class QuickstartArguments:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}.")
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"lr_decay_steps must be >= 0, got {self.lr_decay_steps}.")
         for name in ("max_steps", "prompts_per_step", "num_eval", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -74,6 +84,17 @@ class QuickstartArguments:
             raise ValueError(f"num_train ({self.num_train}) must be >= prompts_per_step ({self.prompts_per_step}).")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (the quickstart samples), got {self.temperature}.")
+
+
+def lr_schedule(max_steps: int, decay_steps: int) -> dict:
+    """`ReToolConfig` fields of a learning rate that is constant, then decays to 0 over the last `decay_steps` steps
+    (transformers' warmup-stable-decay schedule without warmup); constant when `decay_steps` is 0."""
+    if decay_steps <= 0:
+        return {"lr_scheduler_type": "constant"}
+    return {
+        "lr_scheduler_type": "warmup_stable_decay",
+        "lr_scheduler_kwargs": {"num_decay_steps": min(decay_steps, max_steps)},
+    }
 
 
 def rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_tool_calls: int = 2, **overrides):
@@ -96,7 +117,7 @@ def rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_to
         num_generations=args.num_generations,
         temperature=args.temperature,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
+        **lr_schedule(args.max_steps, args.lr_decay_steps),
         beta=args.beta,
         max_completion_length=args.max_completion_length,
         max_tool_calls=max_tool_calls if with_tools else 0,
