@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal, truncate_output
-from .local import _SIGNAL_TEXT
 from .remote_driver import build_driver
+from .results import signal_death_line
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
 
@@ -390,5 +390,5 @@ def _crash_line(crash: dict, cpu_time_s: float) -> tuple[str, bool, bool]:
             return f"TimeoutError: CPU time limit of {cpu_time_s:g} s exceeded", True, False
         if sig == signal.SIGKILL:  # not a limit of the cell's: an operator or the machine's OOM killer
             return "SystemError: the interpreter process was killed from outside (SIGKILL)", False, True
-        return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}"), False, False
+        return signal_death_line(sig), False, False
     return f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}", False, False

@@ -18,6 +18,11 @@ _SIGNAL_TEXT = {
 }
 
 
+def signal_death_line(sig: int) -> str:
+    """The line that ends the output of a cell whose interpreter died from signal `sig` (both backends say it)."""
+    return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
+
+
 class CallResults:
     """Mixed into `LocalSandbox`: the results of calls. Uses its `max_output_chars`, `timeout_s`, `cpu_time_s`,
     `memory_mb` and `_kill(session)`."""
@@ -100,7 +105,7 @@ class CallResults:
             elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
                 line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
             else:
-                line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
+                line = signal_death_line(sig)
         else:
             line = f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}"
         session._mark_broken("infrastructure error" if infra else "timeout" if timed_out else "crash")
