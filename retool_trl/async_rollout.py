@@ -22,7 +22,16 @@ from typing import Protocol
 import httpx
 
 from .parsing import first_stop
-from .rollout import RolloutResult, RolloutSpec, _Row, interpreter_blocks, rollout_result, run_cells
+from .rollout import (
+    RolloutResult,
+    RolloutSpec,
+    _Row,
+    interpreter_blocks,
+    release_session,
+    reserve_sessions,
+    rollout_result,
+    run_cells,
+)
 from .types import TurnOutput
 
 
@@ -181,6 +190,7 @@ def async_rollout(
     rows = [_Row(list(ids)) for ids in prompt_ids]
     exec_seconds: list[float] = []
     have_logprobs, engine_calls = [True], [0]
+    reserve_sessions(sandbox, len(rows))
     try:
         _run_coroutine(
             _run_all(
@@ -226,6 +236,7 @@ async def _run_all(
                 [block] = interpreter_blocks(tokenizer, [result.output], spec)
                 row.take_result(code, result, block, spec)
                 exec_seconds.append(result.duration_s)
+            release_session(row)
 
     try:
         if hasattr(engine, "__aenter__"):

@@ -168,6 +168,7 @@ def interleaved_rollout(
     exec_seconds: list[float] = []
     have_logprobs = True
     turn_calls = 0
+    reserve_sessions(sandbox, len(rows))
     try:
         active = list(range(len(rows)))
         # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
@@ -192,6 +193,9 @@ def interleaved_rollout(
                 for (row, code), result, block in zip(pending, results, blocks, strict=True):
                     row.take_result(code, result, block, spec)
                     exec_seconds.append(result.duration_s)
+            for i in active:
+                if rows[i].done:
+                    release_session(rows[i])
             active = [i for i in active if not rows[i].done]
     finally:
         if hasattr(backend, "finish"):  # let the backend free what it kept between turns (e.g. a KV cache)
@@ -260,6 +264,21 @@ def interpreter_blocks(tokenizer, outputs: list[str], spec: RolloutSpec) -> list
     )
     encoded = tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return [[*start, *body, *end] for body in encoded]
+
+
+def reserve_sessions(sandbox, n: int) -> None:
+    """Lets the sandbox prepare `n` sessions while the model generates their first turn (`reserve`, where the
+    backend has one: a local sandbox forks jails in the background)."""
+    reserve = getattr(sandbox, "reserve", None)
+    if callable(reserve):
+        reserve(n)
+
+
+def release_session(row: _Row) -> None:
+    """Closes a finished completion's session now, not at the end of the rollout: its memory goes back to the rows
+    still running."""
+    if row.session is not None:
+        row.session.close()
 
 
 def _run_many(sandbox, pairs) -> list[ExecResult]:

@@ -5,6 +5,7 @@ Workload like a rollout: every session makes a first call (its process is forked
 the state of the first. Limits and isolation stay on (bubblewrap when it works, per-session uid, rlimits, no network).
 
     python scripts/bench_sandbox.py [--sessions 64] [--json]
+    python scripts/bench_sandbox.py --scale [--scale-factor 1.0] [--json]   # a whole GRPO batch (sandbox_scale.py)
 
 Jails are pre-started while the model generates: the sandbox keeps `--spares` of them (default: one batch), and the
 run idles `--idle` seconds before each phase, as a trainer does while it loads and generates (not measured).
@@ -155,10 +156,22 @@ def main() -> None:
         help="also compare a forked jail with a fresh bubblewrap + interpreter per session",
     )
     parser.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
+    parser.add_argument("--scale", action="store_true", help="measure a whole GRPO batch instead (see sandbox_scale)")
+    parser.add_argument("--scale-factor", type=float, default=1.0, help="with --scale: size of every measurement")
+    parser.add_argument("--bursts", type=int, default=6, help="with --scale: bursts of fresh sessions, each way")
     args = parser.parse_args()
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
+    if args.scale:
+        from sandbox_scale import run_scale  # scripts/ is on sys.path when run as a script
+
+        if args.idle == parser.get_default("idle"):
+            args.idle = 4.0
+        row = run_scale(args, preload)
+        if args.json:
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        return
     spares = args.spares if args.spares is not None else args.sessions
     with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload, spares=spares) as sandbox:
         start = time.perf_counter()

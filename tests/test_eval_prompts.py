@@ -11,7 +11,7 @@ from retool_trl.errors import UserError
 from retool_trl.inference import tokenize_prompts
 from retool_trl.testing import FakeSandbox
 from retool_trl.tokenizer_checks import load_tokenizer
-from testing_utils import make_char_tokenizer, scripted_trainer
+from testing_utils import make_char_tokenizer, trainer_for
 
 # A template that, like Qwen3's, renders differently with `enable_thinking` (default: thinking on).
 THINKING_TEMPLATE = (
@@ -45,7 +45,7 @@ def chat_tokenizer():
 )
 def test_eval_prompt_ids_equal_the_trainers(tmp_path, prompts, overrides):
     tokenizer = chat_tokenizer()
-    trainer = scripted_trainer(tmp_path, tokenizer, ["\\boxed{1}"], FakeSandbox(), **overrides)
+    trainer = trainer_for(tmp_path, ["\\boxed{1}"], FakeSandbox(), tokenizer=tokenizer, **overrides)
     trained_on, _, _ = trainer._tokenize_prompts(trainer._with_system_prompt(prompts))
     assert tokenize_prompts(tokenizer, prompts, trainer.args) == [list(ids) for ids in trained_on]
     if overrides.get("chat_template_kwargs"):

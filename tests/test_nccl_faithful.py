@@ -16,7 +16,7 @@ from nccl_harness import HostTensorInCollective, check_collective_input, nccl_fa
 from retool_trl.metrics import rollout_metrics
 from retool_trl.rollout import RolloutResult
 from retool_trl.testing import FakeSandbox
-from testing_utils import make_char_tokenizer, scripted_trainer
+from testing_utils import trainer_for
 
 DEVICE = torch.device("cpu")  # the process's device; under CUDA it would be cuda:N
 
@@ -92,9 +92,8 @@ def test_rollout_metrics_gather_tensors_on_the_process_device():
 
 def test_every_gather_of_a_training_step_is_on_the_process_device(tmp_path):
     """The trainer's own gathers (loss normaliser, unscored rows, metrics), through a whole rollout and scoring."""
-    tokenizer = make_char_tokenizer()
     scripts = ["<code>print(1)</code>\\boxed{1}", "\\boxed{42}", "<code>1/0</code>x", "\\boxed{4}"]
-    trainer = scripted_trainer(tmp_path, tokenizer, scripts, FakeSandbox(), drop_infra_failures=True)
+    trainer = trainer_for(tmp_path, scripts, FakeSandbox(), drop_infra_failures=True)
     gathered = []
     original = trainer.accelerator.gather
 

@@ -6,19 +6,17 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from retool_trl import ReToolConfig, ReToolTrainer
-from testing_utils import FakeSandbox, ScriptedBackend, save_tiny_model
+from testing_utils import (
+    MASK_LOSS_TYPES,
+    TOOL_SCRIPTS,
+    FakeSandbox,
+    ScriptedBackend,
+    interpreter_token_gradients,
+    ramp_reward,
+    save_tiny_model,
+)
 
-SCRIPTS = [
-    "First <code>x = 6 * 7\nprint(x)</code> so \\boxed{42}",
-    "Guess \\boxed{41}",
-    "Check <code>print(x)</code> then <code>print(40 + 2)</code> \\boxed{42}",
-    "Maybe <code>1/0</code> hmm \\boxed{0}",
-]
-
-
-def ramp_reward(completions, **kwargs):
-    """Distinct rewards within the group, so advantages (and the policy gradient) are non-zero."""
-    return [float(i) for i in range(len(completions))]
+SCRIPTS = TOOL_SCRIPTS
 
 
 def config(tmp_path, **overrides):
@@ -68,19 +66,7 @@ def scripted_trainer(tmp_path, tokenizer, scripts=SCRIPTS, reward_funcs=ramp_rew
     return trainer
 
 
-def capture_final_hidden_grads(model):
-    """Gradients w.r.t. the final hidden states. After the last norm there is no attention, so the gradient at
-    position t is exactly the loss contribution of the token predicted there (TRL fuses the LM head, so logits are
-    never materialised and cannot be hooked)."""
-    grads = []
-
-    def hook(module, args, output):
-        output.register_hook(grads.append)
-
-    return grads, model.model.norm.register_forward_hook(hook)
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("loss_type", MASK_LOSS_TYPES)
 def test_interpreter_tokens_get_exactly_zero_gradient(tmp_path, char_tokenizer, loss_type):
     trainer = scripted_trainer(tmp_path, char_tokenizer, loss_type=loss_type, num_iterations=2)
     inputs = scored_inputs(trainer)
@@ -88,16 +74,9 @@ def test_interpreter_tokens_get_exactly_zero_gradient(tmp_path, char_tokenizer, 
     assert (tool_mask == 0).any() and (tool_mask == 1).any()
     assert inputs["ref_per_token_logps"] is not None  # beta > 0: the KL term is in the loss
 
-    grads, handle = capture_final_hidden_grads(trainer.model)
-    loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    handle.remove()
-    prompt_len, completion_len = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
-    # The hidden state at position t predicts token t + 1: completion token j is scored at prompt_len + j - 1.
-    grad = grads[0][:, prompt_len - 1 : prompt_len + completion_len - 1, :]
-    per_token = grad.abs().sum(dim=-1)
+    per_token, masked = interpreter_token_gradients(trainer, inputs)
     assert per_token.shape == tool_mask.shape
-    masked = (tool_mask * completion_mask) == 0
+    assert torch.equal(masked, (tool_mask * completion_mask) == 0)
     assert torch.all(per_token[masked] == 0), "interpreter/padding tokens contribute to the gradient"
     assert torch.all(per_token[~masked] > 0), "some model tokens get no gradient"
 

@@ -23,20 +23,42 @@ from retool_trl.tiny import (
 )
 
 __all__ = [
+    "MASK_LOSS_TYPES",
+    "TOOL_SCRIPTS",
     "FakeSandbox",
     "FakeVLLMGeneration",
     "ScriptForcingProcessor",
     "ScriptedBackend",
     "assert_rollout_invariants",
+    "interpreter_token_gradients",
     "make_bpe_tokenizer",
     "make_char_tokenizer",
     "make_closed_vocab_tokenizer",
     "make_tiny_qwen2",
+    "ramp_reward",
     "record_rewards",
     "save_tiny_model",
     "script_turns",
     "trainer_for",
 ]
+
+
+# Completions with code calls, an error and none at all: every kind of interpreter span the mask must cover.
+TOOL_SCRIPTS = [
+    "First <code>x = 6 * 7\nprint(x)</code> so \\boxed{42}",
+    "Guess \\boxed{41}",
+    "Check <code>print(x)</code> then <code>print(40 + 2)</code> \\boxed{42}",
+    "Maybe <code>1/0</code> hmm \\boxed{0}",
+]
+
+
+# TRL loss types whose interpreter-token gradient is checked (tests/test_trainer.py, scripts/gpu_check.py).
+MASK_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+
+
+def ramp_reward(completions, **kwargs):
+    """Distinct rewards within the group, so advantages (and the policy gradient) are non-zero."""
+    return [float(i) for i in range(len(completions))]
 
 
 def make_bpe_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 400) -> PreTrainedTokenizerFast:
@@ -216,3 +238,31 @@ def trainer_for(tmp_path, scripts, sandbox=None, reward_funcs=None, dataset=None
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
+
+
+def interpreter_token_gradients(trainer, inputs) -> tuple:
+    """Runs `trainer.compute_loss` on a scored batch and backpropagates; returns, per completion token, the summed
+    |gradient| at the final hidden state that predicts it, and the boolean mask of tokens that must get none
+    (interpreter tokens and padding: `tool_mask * completion_mask == 0`).
+
+    The gradient is taken w.r.t. the final hidden states: after the last norm there is no attention, so the gradient
+    at position t is exactly the loss contribution of the token predicted there (TRL fuses the LM head, so logits
+    are never materialised and cannot be hooked). Used by the CPU test and by `scripts/gpu_check.py` on CUDA.
+    """
+    grads = []
+
+    def hook(module, args, output):  # returns None: the forward output stays as it is
+        output.register_hook(grads.append)
+
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    handle = base.model.norm.register_forward_hook(hook)
+    try:
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+    finally:
+        handle.remove()
+    prompt_len, completion_len = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+    # The hidden state at position t predicts token t + 1: completion token j is scored at prompt_len + j - 1.
+    grad = grads[0][:, prompt_len - 1 : prompt_len + completion_len - 1, :]
+    masked = (inputs["tool_mask"] * inputs["completion_mask"]) == 0
+    return grad.float().abs().sum(dim=-1), masked

@@ -9,22 +9,17 @@ arithmetic in its head, which is what the quickstart's RL runs then show.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from ..names import ASSETS, MODEL_ALIASES, quickstart_model_path
 from ..plotting import ARITHMETIC_PANELS
 from .plan import RUNS, QuickstartArguments, TaskPlan
 
-QUICKSTART_MODEL_DIR = Path(__file__).parent.parent / "assets" / "quickstart_model"
+QUICKSTART_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart"]
 
 
 def model_path() -> str:
     """Folder of the shipped quickstart model (load it with `from_pretrained`)."""
-    if not (QUICKSTART_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"The quickstart model is missing from {QUICKSTART_MODEL_DIR}; rebuild it with "
-            "`python scripts/build_quickstart_model.py`."
-        )
-    return str(QUICKSTART_MODEL_DIR)
+    return quickstart_model_path("quickstart")
 
 
 @dataclass

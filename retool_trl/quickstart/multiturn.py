@@ -15,26 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..data.synthetic import MULTITURN_CELL_CHARS
+from ..names import ASSETS, MODEL_ALIASES, quickstart_model_path
 from ..plotting import Panel
 from ..rewards import boxed_accuracy_and_recovery
 from ..run_logs import accuracy_of
 from ..sandbox.cell_limits import CellLimits
 from .plan import TaskPlan
 
-MULTITURN_MODEL_DIR = Path(__file__).parent.parent / "assets" / "multiturn_model"
+MULTITURN_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart_multiturn"]
 
 
 def multiturn_model_path() -> str:
     """Folder of the shipped multi-turn quickstart model."""
-    if not (MULTITURN_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"The multi-turn quickstart model is missing from {MULTITURN_MODEL_DIR}; rebuild it with "
-            "`python scripts/build_multiturn_model.py`."
-        )
-    return str(MULTITURN_MODEL_DIR)
+    return quickstart_model_path("quickstart_multiturn")
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""The event loop behind `LocalSandbox.run_many`: dispatch, CPU-aware admission, replies, deadlines."""
+"""The event loop behind `LocalSandbox.run_many`: dispatch, CPU-aware admission, replies, deadlines.
+
+A batch works through its sandbox's `BatchHost` interface (below) and each session's process handle
+(`SessionProcess`); where a call's result is decided is `results.py`, where a finished call's leftovers are killed is
+`sweep.py`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import selectors
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 from .base import ExecResult, refusal
 from .channel import SETUP_WAIT_S
@@ -21,6 +27,32 @@ PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for b
 PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
 CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
 DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
+
+
+class BatchHost(Protocol):
+    """What a `Batch` needs from its sandbox (`LocalSandbox` is one): its limits, the cells in flight over all
+    threads, jails for sessions that have none, and the results of settled, timed-out, over-budget or dead calls
+    (each of which may kill the session's jail and mark the session broken)."""
+
+    num_workers: int
+    timeout_s: float
+    cpu_time_s: float
+    max_output_chars: int
+    in_flight: InFlight
+
+    def refuse(self, session) -> ExecResult | None: ...
+
+    def open_jails(self, sessions: list) -> list[str | None]: ...
+
+    def result_of_reply(self, session, reply: dict, duration: float) -> ExecResult: ...
+
+    def result_of_timeout(self, session, duration: float) -> ExecResult: ...
+
+    def result_of_cpu_limit(self, session, duration: float) -> ExecResult: ...
+
+    def result_of_crash(
+        self, session, duration: float, why: str | None = None, crash: dict | None = None
+    ) -> ExecResult: ...
 
 
 class InFlight:
@@ -80,7 +112,7 @@ class _Running:
         sleeps or waits gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S."""
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
-        self.cpu, self.cpu_at, self.busy = self.proc.sched_state()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
+        self.cpu, self.cpu_at, self.busy = self.proc.load()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
 
     def expect_death(self) -> None:
         """Its status pipe closed: the zygote's account of the death is on its way, and is waited for a short while."""
@@ -99,7 +131,7 @@ class Batch:
     request is on its way.
     """
 
-    def __init__(self, sandbox, pairs):
+    def __init__(self, sandbox: BatchHost, pairs):
         self.sandbox = sandbox
         self.pairs = pairs
         self.results: list[ExecResult | None] = [None] * len(pairs)
@@ -110,6 +142,7 @@ class Batch:
         self.running: dict[object, _Running] = {}  # by session
         self.selector = selectors.DefaultSelector()
         self.output_limit = 4 * sandbox.max_output_chars
+        self.budget_check_at = time.monotonic() + CPU_TICK_S
 
     def run(self) -> list[ExecResult]:
         try:
@@ -123,9 +156,9 @@ class Batch:
                 for entry in self.running.values():
                     if entry.reported:
                         wait = min(wait, entry.poll_s)
-                wait = min(wait, CLOSED_CHECK_S)
+                wait = min(wait, CLOSED_CHECK_S, max(0.0, self.budget_check_at - time.monotonic()))
                 # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
-                alone = len(self.running) == 1 and not self.ready and self.sandbox._in_flight.count == 1
+                alone = len(self.running) == 1 and not self.ready and self.sandbox.in_flight.count == 1
                 lone = next(iter(self.running.values())) if alone else None
                 if lone is not None and not lone.spun:
                     self._spin(lone)
@@ -141,17 +174,31 @@ class Batch:
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
                     self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
+                self._check_cpu_budgets(now)
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
                     if entry.dead:  # the status pipe closed but no account of the death came
-                        self._finish(entry, self.sandbox._crash_result, now - entry.started)
+                        self._finish(entry, self.sandbox.result_of_crash, now - entry.started)
                     else:
-                        self._finish(entry, self.sandbox._timeout_result, now - entry.started)
+                        self._finish(entry, self.sandbox.result_of_timeout, now - entry.started)
         finally:
             # Only an exception in our own code leaves cells running: do not leave their sessions half-way.
             for entry in list(self.running.values()):
-                self._finish(entry, self.sandbox._crash_result, 0.0, "the sandbox host failed")
+                self._finish(entry, self.sandbox.result_of_crash, 0.0, "the sandbox host failed")
             self.selector.close()
         return self.results  # type: ignore[return-value]
+
+    def _check_cpu_budgets(self, now: float) -> None:
+        """Ends the calls whose jails used more CPU than one call may, all their processes together (the jail's
+        cgroup counts every process a cell started, setsid or not; the per-process rlimit counts one). The grace of
+        a second lets a lone interpreter's own limit speak first, with its traceback."""
+        if now < self.budget_check_at:
+            return
+        self.budget_check_at = now + CPU_TICK_S
+        budget = self.sandbox.cpu_time_s + 1.0
+        for entry in list(self.running.values()):
+            used = entry.proc.cpu_used()
+            if used is not None and used > budget and not entry.dead:
+                self._finish(entry, self.sandbox.result_of_cpu_limit, now - entry.started)
 
     def _spin(self, entry: _Running) -> None:
         """Polls a lone cell's status for a short while before sleeping: most cells of a rollout take well under a
@@ -177,7 +224,7 @@ class Batch:
             if not session._in_use.acquire(blocking=False):
                 elsewhere.append(session)  # running in another thread's batch: try again next round
                 continue
-            refusal = self.sandbox._refusal(session)
+            refusal = self.sandbox.refuse(session)
             if refusal is not None:
                 session._in_use.release()
                 self.results[self.queues[session][0]] = refusal
@@ -188,7 +235,7 @@ class Batch:
         if not batch and not self.running:
             time.sleep(0.002)  # only cells of other threads' batches to wait for
         fresh = [s for s in batch if s._proc is None]
-        errors = dict(zip(fresh, self.sandbox._spawn(fresh))) if fresh else {}
+        errors = dict(zip(fresh, self.sandbox.open_jails(fresh))) if fresh else {}
         for session in batch:
             index = self.queues[session][0]
             if errors.get(session):
@@ -208,15 +255,15 @@ class Batch:
         session.calls += 1
         problem = proc.begin({"code": self.pairs[index][1]})
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
-        self.sandbox._in_flight.add(entry)
+        self.sandbox.in_flight.add(entry)
         if problem == "not set up":
             crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
-            self._finish(entry, lambda s: self.sandbox._crash_result(s, 0.0, crash=crash))
+            self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))
             return
         if problem:
             if not proc.exited():  # alive, but nobody reads its request pipe: its last cell closed or replaced fd 3
                 why = "the previous cell closed the sandbox's request channel (fd 3)"
-                self._finish(entry, self.sandbox._crash_result, 0.0, why)
+                self._finish(entry, self.sandbox.result_of_crash, 0.0, why)
                 return
             self._on_death(entry)  # it died between calls (killed from outside, say): the zygote says how
             if self.running.get(session) is entry:
@@ -243,9 +290,9 @@ class Batch:
         loaded machine keeps it (it is runnable)."""
         now = time.monotonic()
         busy = 0
-        for entry in self.sandbox._in_flight.snapshot():
+        for entry in self.sandbox.in_flight.snapshot():
             if now - entry.cpu_at >= CPU_TICK_S:
-                state, cpu = entry.proc.sched_state()
+                state, cpu = entry.proc.load()
                 if cpu is not None and entry.cpu is not None:
                     entry.busy = state == "R" or (cpu - entry.cpu) > 0.3 * (now - entry.cpu_at)
                 entry.cpu, entry.cpu_at = cpu, now
@@ -256,7 +303,7 @@ class Batch:
         """Stops watching the cell's channels, then settles it with `settle(session, *args)` (which may kill its
         process, and with it close those channels)."""
         if self.running.pop(entry.session, None) is not None:
-            self.sandbox._in_flight.remove(entry)
+            self.sandbox.in_flight.remove(entry)
             for kind in list(entry.fds):
                 self._unwatch(entry, kind)
         try:
@@ -275,7 +322,7 @@ class Batch:
             logger.warning("sandbox: settling a cell failed", exc_info=True)
             if self.running.get(entry.session) is entry:
                 why = f"the sandbox could not read this cell's result ({type(exc).__name__})"
-                self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started, why)
+                self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started, why)
 
     def _on_request(self, entry: _Running) -> None:
         if not entry.proc.flush() or not entry.proc.pending:
@@ -285,7 +332,7 @@ class Batch:
         if not entry.proc.read_status():
             if not entry.proc.closed and not entry.proc.exited():  # alive: the cell closed or replaced fd 4
                 why = "the cell closed the sandbox's status channel (fd 4)"
-                self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started, why)
+                self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started, why)
                 return
             # Every writer of the status pipe is gone: the process died, and the zygote's account is on its way.
             self._unwatch(entry, "status")
@@ -300,7 +347,7 @@ class Batch:
         for attempt in range(tries):
             if entry.proc.parked():
                 reply = entry.proc.settle(self.output_limit)
-                self._finish(entry, self.sandbox._reply_result, reply, time.monotonic() - entry.started)
+                self._finish(entry, self.sandbox.result_of_reply, reply, time.monotonic() - entry.started)
                 return
             if attempt + 1 < tries:
                 os.sched_yield()
@@ -309,6 +356,6 @@ class Batch:
         crash = entry.proc.death_notice()
         if crash is not None:
             reply = dict(entry.proc.read_output(limit=self.output_limit), crash=crash)
-            self._finish(entry, self.sandbox._reply_result, reply, time.monotonic() - entry.started)
+            self._finish(entry, self.sandbox.result_of_reply, reply, time.monotonic() - entry.started)
         elif entry.proc.zygote_gone:
-            self._finish(entry, self.sandbox._crash_result, time.monotonic() - entry.started)
+            self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started)

@@ -1,19 +1,62 @@
-"""Cgroups for the local sandbox: one memory bound and one process bound per session, where the machine lets us.
+"""Cgroups for the local sandbox: per session a memory bound, a process bound, a CPU share and a freezer; for the
+whole sandbox a memory bound, where the machine lets us.
 
-The host makes one directory per `LocalSandbox` below its own cgroup (cgroup v1 `memory` and `pids` hierarchies, or
-the v2 unified one where its controllers are delegated to us); the zygote makes one directory per session below that
-and moves the session's process in. Where neither is writable, the per-process rlimits are all that bound a session.
+The host makes one directory per `LocalSandbox` below its own cgroup (cgroup v1 `memory`, `pids`, `freezer`, `cpu`
+and `cpuacct` hierarchies, or the v2 unified one where its controllers are delegated to us); the zygote makes one
+directory per session below that and moves the session's process in. The freezer (v2: `cgroup.freeze`) lets the
+host stop a jail's every process at once; `cpuacct` (v2: `cpu.stat`) counts the CPU of all of them. Where nothing is
+writable, the per-process rlimits are all that bound a session. Directories of sandboxes whose trainer died (a
+SIGKILL leaves them behind) are removed when the next sandbox starts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
-__all__ = ["SandboxCgroups"]
+__all__ = ["SandboxCgroups", "default_memory_mb"]
 
 _ROOT = Path("/sys/fs/cgroup")
+# v1 hierarchies we use, by the kind name the zygote knows them under.
+_V1 = (("memory", "memory1"), ("pids", "pids"), ("freezer", "freezer"), ("cpu", "cpu"), ("cpuacct", "cpuacct"))
+_V2_CONTROLLERS = ("memory", "pids", "cpu")
+_TAG = re.compile(r"retool-sandbox-(\d+)-[0-9a-f]+")
+_UNLIMITED = 1 << 60
+
+
+def default_memory_mb(share: float = 0.5) -> int:
+    """A share of the memory this process may use: the machine's, or less where a cgroup (a container) bounds it."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        total = _UNLIMITED
+    own = _own_path("memory")
+    if own is not None:  # v1: the tightest limit on the way up from our own cgroup
+        path = _ROOT / "memory" / own.lstrip("/")
+        while _ROOT / "memory" in [path, *path.parents]:
+            try:
+                total = min(total, int((path / "memory.limit_in_bytes").read_text()))
+            except (OSError, ValueError):
+                pass
+            if path == _ROOT / "memory":
+                break
+            path = path.parent
+    else:
+        own = _own_path("")
+        if own is not None:
+            path = _ROOT / own.lstrip("/")
+            while _ROOT in [path, *path.parents]:
+                try:
+                    text = (path / "memory.max").read_text().strip()
+                    total = min(total, int(text)) if text != "max" else total
+                except (OSError, ValueError):
+                    pass
+                if path == _ROOT:
+                    break
+                path = path.parent
+    return max(256, int(total * share) >> 20)
 
 
 def _own_path(controller: str) -> str | None:
@@ -30,29 +73,61 @@ def _own_path(controller: str) -> str | None:
 
 
 class SandboxCgroups:
-    """The cgroup directories of one sandbox: `roots` is `[(kind, path)]` with kind `memory1` or `pids` (v1) or `v2`.
+    """The cgroup directories of one sandbox: `roots` is `[(kind, path)]` with kind `memory1`, `pids`, `freezer`,
+    `cpu` or `cpuacct` (v1; co-mounted controllers share a path) or `v2`.
+
+    Args:
+        tag (`str`): The directory name, `retool-sandbox-<trainer pid>-<hex>`.
+        memory_mb (`int`, *optional*): Memory bound of the whole sandbox (all its sessions together).
+        cpu_weight (`int`, defaults to `1`): The sandbox's CPU weight against the trainer's threads, in threads.
 
     `missing` says, for `isolation_report()`, which bound could not be set up and why."""
 
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, memory_mb: int | None = None, cpu_weight: int = 1):
         self.roots: list[tuple[str, str]] = []
         self.missing: list[str] = []
+        self.v2_controllers: list[str] = []
         if os.geteuid() != 0:
             self.missing.append("cgroups (not root: no writable memory/pids cgroup)")
             return
-        for controller, kind in (("memory", "memory1"), ("pids", "pids")):
+        for controller, kind in _V1:
             own = _own_path(controller)
             base = _ROOT / controller
             if own is None or not (base / "cgroup.procs").exists():
                 continue
+            _remove_stale(base / own.lstrip("/"))
             self._make(kind, base / own.lstrip("/") / tag)
         if not self.roots:
             self._try_v2(tag)
-        kinds = {kind for kind, _ in self.roots} | set(getattr(self, "v2_controllers", []))
+        self._limit_whole(memory_mb, cpu_weight)
+        kinds = self.kinds
         if not kinds & {"memory1", "memory"}:
             self.missing.append("memory cgroup (per-session memory is bounded per process only)")
         if not kinds & {"pids"}:
             self.missing.append("pids cgroup (the per-session process cap is RLIMIT_NPROC only)")
+        if not kinds & {"freezer", "v2"}:
+            self.missing.append("freezer cgroup (processes a cell leaves are found through /proc only)")
+        if not kinds & {"cpu"}:
+            self.missing.append("cpu cgroup (no per-session CPU share; the CPU budget counts the main process only)")
+
+    @property
+    def kinds(self) -> set[str]:
+        return {kind for kind, _ in self.roots} | set(self.v2_controllers)
+
+    def _limit_whole(self, memory_mb: int | None, cpu_weight: int) -> None:
+        """The sandbox's own bounds: all sessions' memory together, and its CPU weight against the trainer."""
+        for kind, root in self.roots:
+            values = {
+                "memory1": {"memory.limit_in_bytes": memory_mb << 20 if memory_mb else None},
+                "cpu": {"cpu.shares": 1024 * max(1, cpu_weight)},
+                "v2": {"memory.max": memory_mb << 20 if memory_mb else None, "cpu.weight": 100 * max(1, cpu_weight)},
+            }.get(kind, {})
+            for name, value in values.items():
+                if value is not None and os.path.exists(os.path.join(root, name)):
+                    try:
+                        Path(root, name).write_text(str(value))
+                    except OSError:
+                        self.missing.append(f"{name} of the whole sandbox (could not be written)")
 
     def _try_v2(self, tag: str) -> None:
         own = _own_path("")
@@ -64,7 +139,7 @@ class SandboxCgroups:
             enabled = (parent / "cgroup.subtree_control").read_text().split()
         except OSError:
             return
-        wanted = [c for c in ("memory", "pids") if c in enabled]
+        wanted = [c for c in _V2_CONTROLLERS if c in enabled]
         path = parent / tag
         if wanted and self._make("v2", path):
             try:  # the per-session directories below get these controllers' files
@@ -74,6 +149,9 @@ class SandboxCgroups:
             self.v2_controllers = wanted
 
     def _make(self, kind: str, path: Path) -> bool:
+        if any(os.path.realpath(made) == os.path.realpath(path) for _, made in self.roots):
+            self.roots.append((kind, str(path)))  # co-mounted with a controller already made (cpu,cpuacct)
+            return True
         try:
             path.mkdir(mode=0o755)
         except OSError:
@@ -84,7 +162,7 @@ class SandboxCgroups:
     def remove(self, timeout_s: float = 5.0) -> None:
         """Removes the sandbox's cgroups (and any per-session ones left), once the kernel has let go of them."""
         deadline = time.monotonic() + timeout_s
-        for _, root in self.roots:
+        for root in dict.fromkeys(path for _, path in self.roots):
             while True:
                 try:
                     for child in sorted(Path(root).iterdir()):
@@ -99,3 +177,22 @@ class SandboxCgroups:
                         break
                     time.sleep(0.01)
         self.roots = []
+
+
+def _remove_stale(parent: Path) -> None:
+    """Removes the empty cgroup directories that sandboxes of trainers no longer alive left below `parent`."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = _TAG.fullmatch(entry.name)
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        try:
+            for child in entry.iterdir():
+                if child.is_dir():
+                    child.rmdir()
+            entry.rmdir()
+        except OSError:
+            continue  # still holds a process (or another user's): left alone

@@ -4,7 +4,8 @@ The zygote forks the jail and hands these over once (with the jail's pid as this
 goes straight from here to the session process and back, without a hop through the zygote. What a cell could forge
 does not decide anything: a call is over only when `parked()` sees the process blocked, single-threaded, reading its
 empty request pipe; its output is read from the memfd with a bound; its timeout is kept here and enforced through
-the pidfd. The zygote's only message on the socket is how the process died (its own wait status).
+the pidfd. The zygote's only message on the socket is how the process died (its own wait status). What a finished
+call leaves running in the jail is killed by `sweep.py` before the call settles.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import termios
 import time
 
 from .protocol import CREDS, frame, take_frames
+from .sweep import JailSweep, stat_fields
 
 REQUEST_FD = 3  # the session process's request pipe (see session_process.py, which the trainer never imports)
 _SYS_READ = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())
@@ -29,11 +31,10 @@ _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
-_KILL_PASSES = 50
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
-class SessionProcess:
+class SessionProcess(JailSweep):
     """The host's handle on one session process, created from the zygote's hello on the session's socket.
 
     Args:
@@ -58,6 +59,8 @@ class SessionProcess:
         "status",
         "zygote_gone",
         "idle_point",
+        "cgroups",
+        "cpu_start",
         "__weakref__",
     )
 
@@ -76,6 +79,8 @@ class SessionProcess:
         self.status: dict | None = None  # the last status frame of the call in flight
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
+        self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
+        self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -100,6 +105,8 @@ class SessionProcess:
         sock.setblocking(False)
         proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
         proc.socket_buffer = buffer
+        cgroups = hello[0].get("cgroups")
+        proc.cgroups = {str(k): str(v) for k, v in cgroups.items()} if isinstance(cgroups, dict) else {}
         return proc
 
     # --------------------------------------------------------------------------------------------------- calls
@@ -117,7 +124,12 @@ class SessionProcess:
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
+        try:  # the last call's output must not show in this one's, even if the process dies before it starts
+            os.ftruncate(self.output, 0)
+        except OSError:
+            pass
         self.pending = frame(request)
+        self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
@@ -174,7 +186,7 @@ class SessionProcess:
         if self.idle_point is None:
             return False
         try:
-            threads = int(_stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))[17])
+            threads = int(stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))[17])
             unread = struct.unpack("i", fcntl.ioctl(self.request_w, termios.FIONREAD, b"\0\0\0\0"))[0]
         except (OSError, IndexError, ValueError, TypeError):
             return False
@@ -216,15 +228,40 @@ class SessionProcess:
         """Ends a call whose process is parked: stops it until the next call, kills what its cell left running,
         and returns the reply (the status, and the bounded head and tail of its output)."""
         self.signal(signal.SIGSTOP)  # between calls nothing of the session runs (timers, signal handlers)
-        self._kill_descendants()
+        quiet = self.quiet()
+        if quiet is None:  # no cgroup of its own to list: the processes are found through /proc
+            self._kill_descendants()
         status = self.status if isinstance(self.status, dict) else {}
         skipped = status.get("skipped", 0)
-        return dict(
+        reply = dict(
             self.read_output(skipped if isinstance(skipped, int) else 0, output_limit),
             ok=status.get("ok") is True,
             error=str(status.get("error") or ""),
             fatal=status.get("fatal") and str(status["fatal"]),
         )
+        if quiet is False:
+            reply.update(ok=False, fatal="leftover processes")
+            reply["error"] += "SystemError: processes the cell started could not be stopped\n"
+        return reply
+
+    # ------------------------------------------------------------------------------------------------ limits
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used so far by every process the jail ever had (cpuacct, or v2 `cpu.stat`), or None."""
+        try:
+            if "cpuacct" in self.cgroups:
+                return int(os.pread(self._cgroup_fd("cpuacct.usage"), 64, 0)) / 1e9
+            for line in os.pread(self._cgroup_fd("cpu.stat"), 1024, 0).splitlines():
+                if line.startswith(b"usage_usec "):
+                    return int(line.split()[1]) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def cpu_used(self) -> float | None:
+        """CPU seconds the jail's processes used since the call began, all of them together, or None."""
+        now = self.cpu_seconds()
+        return None if now is None or self.cpu_start is None else now - self.cpu_start
 
     def read_output(self, skipped: int = 0, limit: int = 1 << 16) -> dict:
         """The bounded head and tail of what the cell wrote (decoded with replacement: always valid text)."""
@@ -261,10 +298,17 @@ class SessionProcess:
     def sched_state(self) -> tuple[str | None, float | None]:
         """Scheduler state ("R" = running or runnable) and CPU seconds so far, from /proc/PID/stat."""
         try:
-            fields = _stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))
+            fields = stat_fields(os.pread(self._proc_fd("stat"), 1024, 0))
             return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
         except (OSError, IndexError, ValueError):
             return None, None
+
+    def load(self) -> tuple[str | None, float | None]:
+        """The scheduler state of the session process and the CPU seconds of its whole jail (every process a cell
+        started, from its cgroup; the process's own where it has none): a cell whose children compute is busy."""
+        state, cpu = self.sched_state()
+        jail = self.cpu_seconds()
+        return state, cpu if jail is None else jail
 
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
@@ -272,44 +316,10 @@ class SessionProcess:
             raise OSError(errno.EBADF, "the session process handle is closed")
         if fd is None:
             path = f"task/{self.host_pid}/children" if name == "children" else name
-            fd = self.proc_fds[name] = os.open(f"/proc/{self.host_pid}/{path}", os.O_RDONLY | os.O_CLOEXEC)
+            path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
+            flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
+            fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
         return fd
-
-    def _kill_descendants(self) -> None:
-        """SIGKILLs whatever the stopped process still has below it: the processes its cell left, found through the
-        children of *every* thread of each (a child forked by a second thread is listed there only).
-
-        Each one is signalled through a pidfd opened *before* checking that its parent belongs to the jail, so a pid
-        that a running descendant reaped and the system gave to another process is never hit. Passes repeat until
-        one finds nothing: a process forked just before its parent was killed is handed to the session process."""
-        for _ in range(_KILL_PASSES):
-            try:  # the process itself is parked single-threaded: its main thread's list is all of them
-                todo = [int(p) for p in os.pread(self._proc_fd("children"), 1 << 16, 0).split()]
-            except (OSError, ValueError):
-                return
-            members, killed = {self.host_pid}, 0
-            while todo:
-                pid = todo.pop()
-                if pid in members:
-                    continue
-                try:
-                    pidfd = os.pidfd_open(pid)
-                except OSError:
-                    continue  # already gone
-                try:
-                    with open(f"/proc/{pid}/stat", "rb") as f:
-                        parent = int(_stat_fields(f.read())[1])
-                    if parent in members:
-                        members.add(pid)
-                        todo += _children_of(pid)
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                        killed += 1
-                except (OSError, ValueError, IndexError):
-                    pass
-                finally:
-                    os.close(pidfd)
-            if not killed:
-                return
 
     def exited(self, grace_s: float = 0.05) -> bool:
         """Whether the process has exited, waiting up to `grace_s` for one that is on its way out (its descriptors
@@ -343,20 +353,3 @@ class SessionProcess:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
-
-
-def _stat_fields(stat: bytes) -> list[bytes]:
-    """The fields of /proc/PID/stat after the command name (which may itself hold spaces and parentheses)."""
-    return stat.rsplit(b")", 1)[1].split()
-
-
-def _children_of(pid: int) -> list[int]:
-    """The children of every thread of a process, from /proc."""
-    found = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                found += [int(p) for p in f.read().split()]
-    except (OSError, ValueError):
-        pass
-    return found

@@ -70,9 +70,14 @@ def _others_can_traverse(path: Path) -> bool:
 
 
 def _needed_paths(worker: str) -> list[Path]:
-    """What a session must be able to read: the interpreter, its libraries and the worker script."""
-    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(worker).parent}
-    paths.update(Path(p) for p in sys.path if p and os.path.isdir(p))
+    """What a session must be able to read: the interpreter, its libraries and the worker script. Of `sys.path`,
+    only the interpreter's own directories and site-packages: never the training script's directory or the home."""
+    prefixes = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.base_exec_prefix)}
+    paths = prefixes | {Path(worker).parent}
+    for entry in sys.path:
+        path = Path(entry) if entry and os.path.isdir(entry) else None
+        if path is not None and (path.name in ("site-packages", "dist-packages") or prefixes & set(path.parents)):
+            paths.add(path)
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         paths.add(Path(sysconfig.get_paths()[key]))
     paths.add(Path(os.path.realpath(sys.executable)).parent)
@@ -189,6 +194,15 @@ _DENIED_SYSCALLS = (
     "io_uring_setup",
     "io_uring_enter",
     "io_uring_register",
+    # Host-wide kernel quotas a parked session could drain (fs.aio-max-nr), and locks on host files that the trainer
+    # or other sessions may want (a read-only descriptor is enough for flock).
+    "io_setup",
+    "io_destroy",
+    "io_submit",
+    "io_cancel",
+    "io_getevents",
+    "io_pgetevents",
+    "flock",
     "quotactl",
     "lookup_dcookie",
 )
@@ -199,8 +213,9 @@ _CLONE_NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUS
 def seccomp_program() -> tuple[bytes | None, str | None]:
     """The sessions' seccomp filter as classic BPF (built here with libseccomp through `pyseccomp`), or why not.
 
-    Denies new namespaces (user namespaces above all), mounts, ptrace, kexec, keyrings, bpf, perf, module loading and
-    io_uring (whose operations seccomp cannot see); everything else is allowed."""
+    Denies new namespaces (user namespaces above all), mounts, ptrace, kexec, keyrings, bpf, perf, module loading,
+    io_uring (whose operations seccomp cannot see), Linux AIO (a host-wide quota) and flock; everything else is
+    allowed."""
     try:
         import pyseccomp as seccomp
     except Exception as exc:  # noqa: BLE001 - not installed, or libseccomp missing

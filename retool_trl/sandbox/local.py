@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import os
-import signal
 import socket
 import tempfile
 import threading
 import weakref
 from collections.abc import Iterable
 
-from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal
+from .base import ExecResult, SessionBase, check_pairs, refusal
 from .batch import Batch, InFlight
-from .cgroups import SandboxCgroups
+from .cgroups import SandboxCgroups, default_memory_mb
 from .channel import SessionProcess
 from .isolation import (
     ISOLATION_MODES,
@@ -26,18 +26,14 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
+from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
-_SIGNAL_TEXT = {
-    signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
-    signal.SIGBUS: "SystemError: the interpreter crashed with a bus error (SIGBUS)",
-    signal.SIGABRT: "SystemError: the interpreter aborted (SIGABRT)",
-    signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
-    signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
-}
 
 
 class LocalSession(SessionBase):
@@ -74,21 +70,24 @@ class LocalSession(SessionBase):
         return f"LocalSession({self._name}, {state}, calls={self.calls})"
 
 
-class LocalSandbox:
+class LocalSandbox(CallResults):
     """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
     *jail* per session, ahead of demand: a process that is pid 1 of its own pid namespace, with its own mount, network
-    and IPC namespaces (private size-bounded /tmp, loopback only), memory and pids cgroups where the machine allows,
+    and IPC namespaces (private size-bounded /tmp and pseudo-terminals, loopback only), memory, pids, freezer and cpu
+    cgroups where the machine allows (one CPU at most per session, all sessions together under `total_memory_mb`),
     its own unprivileged uid, rlimits, a cleaned environment and a seccomp filter. State never leaks between sessions,
     a crash, timeout or memory blow-up only breaks that session, and whatever a cell starts (threads, child
-    processes) is stopped when the cell returns. The zygote, out of the cells' reach, reports every result: a cell
-    cannot end its call early, exceed the output limit or outlive its timeout or its session, whatever it writes.
+    processes) is stopped when the cell returns: a call is over only once its jail holds nothing but the parked
+    interpreter. The host, out of the cells' reach, reports every result: a cell cannot end its call early, exceed
+    the output limit, its CPU budget (all its processes together) or its timeout, or outlive its session.
 
     `run_many` executes a batch concurrently: up to `num_workers` cells use the CPUs at once, and cells that are
     blocked (sleeping, waiting) do not hold a slot, so a slow cell never holds up the rest.
 
-    Nothing starts before the first cell runs; `close()` (or the interpreter's exit) stops every process.
+    Nothing starts before the first cell runs (or `reserve`); `close()` (or the interpreter's exit) stops every
+    process.
     `isolation_report()` says which protections are in force on this machine.
 
     Args:
@@ -115,6 +114,10 @@ class LocalSandbox:
             As root, run cells even when bubblewrap does not work (they would then see the host file system with
             root's reach, bar the per-session uid). Without it, that situation raises `UnsafeSandboxError`.
         spares (`int`, *optional*): Jails kept started ahead of demand (default: `max(4, num_workers)`).
+        total_memory_mb (`int`, *optional*):
+            Memory bound of all sessions together (their common cgroup, where the machine has one): the sandbox's
+            jails are killed before the trainer runs out of memory. Default: half of what this machine (or the
+            container it runs in) allows. An OOM kill that is not a session's own limit is an `infra_error`.
 
     Example:
         ```python
@@ -123,6 +126,8 @@ class LocalSandbox:
             session.run("x = 6 * 7\\nprint(x)").output  # "42\\n"
         ```
     """
+
+    reserve_idle_s = 60.0  # jails reserved beyond `spares` are released once none was taken for this long
 
     def __init__(
         self,
@@ -142,6 +147,7 @@ class LocalSandbox:
         max_files: int = 65536,
         allow_root_without_isolation: bool = False,
         spares: int | None = None,
+        total_memory_mb: int | None = None,
     ):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
@@ -163,6 +169,7 @@ class LocalSandbox:
         self.max_files = int(max_files)
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
+        self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else default_memory_mb()
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
         # Jails handed out by the zygote, not yet given a session.
@@ -171,7 +178,7 @@ class LocalSandbox:
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._in_flight = InFlight()  # cells running now, over every thread's batches
+        self.in_flight = InFlight()  # cells running now, over every thread's batches
         self._host_scratch: str | None = None
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
@@ -183,7 +190,7 @@ class LocalSandbox:
 
         `missing` lists, in words, each protection of the isolation contract that does not hold on this machine."""
         zygote = self._start()
-        kinds = {kind for kind, _ in self._cgroups.roots} | set(getattr(self._cgroups, "v2_controllers", []))
+        kinds = self._cgroups.kinds
         report = {
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
@@ -192,6 +199,8 @@ class LocalSandbox:
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
             "pids_cgroup": "pids" in kinds,
+            "freezer_cgroup": bool(kinds & {"freezer", "v2"}),
+            "cpu_cgroup": "cpu" in kinds,
             "seccomp": seccomp_program()[0] is not None,
         }
         missing = list(self._cgroups.missing)
@@ -216,7 +225,9 @@ class LocalSandbox:
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
             if self._cgroups is None:
-                self._cgroups = SandboxCgroups(f"retool-sandbox-{os.getpid()}-{id(self):x}")
+                self._cgroups = SandboxCgroups(
+                    f"retool-sandbox-{os.getpid()}-{id(self):x}", self.total_memory_mb, cpu_weight=self.num_workers
+                )
             command, scratch_root = self._isolation_command()
             program, why_not = seccomp_program()
             if program is None:
@@ -240,6 +251,7 @@ class LocalSandbox:
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,
+                "reserve_idle_s": self.reserve_idle_s,
             }
             old = self._zygote
             self._zygote = _Zygote(command, config)
@@ -320,13 +332,34 @@ class LocalSandbox:
 
     # ------------------------------------------------------------------------------------------------- sessions
 
+    def reserve(self, n: int) -> None:
+        """Asks for `n` sessions ahead of demand, and returns at once: the zygote (started now if need be) forks up
+        to `n` jails in the background, at low priority, while the caller does something else (the model generates
+        its first turn), so that those sessions' first calls find a jail ready. Bounded by the sandbox's memory
+        (about 16 MB of `total_memory_mb` per reserved jail); jails nobody takes are released after a minute.
+
+        Args:
+            n (`int`): Sessions about to be opened (the rollout's batch size).
+        """
+        if self._closed or n <= 0:
+            return
+        count = min(int(n), max(self.spares, self.total_memory_mb // 16))
+
+        def ask():
+            try:
+                self._start().reserve(count)
+            except Exception:  # noqa: BLE001 - only a hint: the sessions' first calls fork what they need
+                logger.debug("sandbox reserve failed", exc_info=True)
+
+        threading.Thread(target=ask, name="retool-sandbox-reserve", daemon=True).start()
+
     def session(self) -> LocalSession:
         """A new, empty session (no process until its first `run`)."""
         if self._closed:
             raise RuntimeError("LocalSandbox is closed")
         return LocalSession(self)
 
-    def _spawn(self, sessions: list[LocalSession]) -> list[str | None]:
+    def open_jails(self, sessions: list[LocalSession]) -> list[str | None]:
         """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
         try:
             zygote = self._start()
@@ -345,7 +378,8 @@ class LocalSandbox:
             extra = max(0, keep - len(self._ready)) if len(taken) < len(sessions) else 0
         for proc in stale:
             proc.close()
-        fresh = self._handed_out(zygote, len(sessions) - len(taken) + extra) if len(taken) < len(sessions) else []
+        needed = len(sessions) - len(taken)
+        fresh = self._handed_out(zygote, needed, extra) if needed else []
         procs = taken + fresh[: len(sessions) - len(taken)]
         with self._ready_lock:
             spare = fresh[len(procs) - len(taken) :]
@@ -360,15 +394,17 @@ class LocalSandbox:
             errors.append(None)
         return errors
 
-    def _handed_out(self, zygote: _Zygote, count: int) -> list[SessionProcess | str]:
-        """Asks the zygote for `count` jails in one round trip: a `SessionProcess` per jail, or the error text."""
-        pairs = [socket.socketpair() for _ in range(count)]
+    def _handed_out(self, zygote: _Zygote, count: int, extra: int = 0) -> list[SessionProcess | str]:
+        """Asks the zygote for `count` jails in one round trip, and for up to `extra` more that it has ready (never
+        forked for them: a fork on this path delays the caller): a `SessionProcess` per jail, or the error text."""
+        pairs = [socket.socketpair() for _ in range(count + extra)]
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        requests = [{"op": "spawn"}] * count + [{"op": "spawn", "ready_only": True}] * extra
         try:
-            replies = zygote.spawn_many([({"op": "spawn"}, theirs.fileno()) for _, theirs in pairs])
+            replies = zygote.spawn_many([(request, theirs.fileno()) for request, (_, theirs) in zip(requests, pairs)])
         except (OSError, ConnectionError, ValueError) as exc:
-            replies = [{"error": f"sandbox zygote failed: {exc}"}] * count
+            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(pairs)
         procs: list[SessionProcess | str] = []
         for (ours, theirs), reply in zip(pairs, replies):
             theirs.close()
@@ -403,71 +439,6 @@ class LocalSandbox:
                 raise ValueError(f"run_many item {i}: the session does not belong to this LocalSandbox")
         return Batch(self, pairs).run()
 
-    def _refusal(self, session: LocalSession) -> ExecResult | None:
+    def refuse(self, session: LocalSession) -> ExecResult | None:
+        """The result of a call that cannot run (closed or broken session, closed sandbox), or None."""
         return refusal(session._closed or self._closed, session._broken)
-
-    def _reply_result(self, session: LocalSession, reply: dict, duration: float) -> ExecResult:
-        """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
-        the model sees."""
-        try:
-            head, tail, total = str(reply["head"]), str(reply["tail"]), int(reply["total"])
-            crash = reply.get("crash")
-            error = str(reply["error"]) if reply.get("error") else ""
-            ok = bool(reply["ok"]) if crash is None else False
-        except (KeyError, TypeError, ValueError):
-            return self._crash_result(session, duration, "the interpreter sent an invalid reply")
-        output = cut_output(head, tail, total, self.max_output_chars)
-        if crash is not None:
-            result = self._crash_result(session, duration, crash=crash if isinstance(crash, dict) else {})
-            return ExecResult(
-                output + result.output,
-                ok=False,
-                timed_out=result.timed_out,
-                duration_s=duration,
-                infra_error=result.infra_error,
-            )
-        if error:  # the traceback keeps its end: the last line says what happened
-            output += cut_output(error, error, len(error), self.max_output_chars, "tail")
-        fatal = reply.get("fatal")
-        if fatal:
-            self._kill(session)
-            session._mark_broken(str(fatal))
-        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
-
-    def _timeout_result(self, session: LocalSession, duration: float) -> ExecResult:
-        self._kill(session)
-        session._mark_broken("timeout")
-        return ExecResult(
-            f"TimeoutError: execution exceeded {self.timeout_s:g} s", ok=False, timed_out=True, duration_s=duration
-        )
-
-    def _crash_result(
-        self, session: LocalSession, duration: float, why: str | None = None, crash: dict | None = None
-    ) -> ExecResult:
-        """The session process died (or misbehaved) during a cell: say why, in the cell's own terms.
-
-        `crash` is the zygote's account of the death (its own wait status, out of the cell's reach); without one
-        the zygote itself was lost, which is the sandbox's failure, not the cell's."""
-        self._kill(session)
-        timed_out, infra = False, False
-        if why is not None:
-            line = f"SystemError: {why}"
-        elif crash is None:
-            line, infra = "SystemError: the sandbox lost the interpreter process", True
-        elif crash.get("setup_failed"):  # it died before any cell ran: the jail's failure, not a cell's
-            line = f"SystemError: the sandbox could not set up the session's jail: {crash['setup_failed']}"
-            infra = True
-        elif "signal" in crash:
-            sig = int(crash["signal"])
-            if sig == signal.SIGXCPU:
-                line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
-            elif sig == signal.SIGKILL and crash.get("oom"):
-                line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
-            elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
-                line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
-            else:
-                line = _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
-        else:
-            line = f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}"
-        session._mark_broken("infrastructure error" if infra else "timeout" if timed_out else "crash")
-        return ExecResult(line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)

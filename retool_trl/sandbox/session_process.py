@@ -1,23 +1,21 @@
 """The session side of the local sandbox: one jailed interpreter process that runs a session's cells.
 
-Imported by `worker.py` inside the sandbox (stdlib-only, never by the trainer), which also keeps its handle on each
-jail (`Jail`) here. The zygote forks this process as pid 1
-of a fresh pid namespace; `session_main` enters its own mount, network, IPC and UTS namespaces, its cgroups, uid,
-rlimits and seccomp filter, then runs cells read from fd 3 and reports each cell's ok and traceback on fd 4. What a
-cell prints reaches fd 1, a memfd that only the zygote reads; the zygote decides when a call is over.
+Imported by `worker.py` inside the sandbox (stdlib-only, never by the trainer). The zygote forks this process as pid 1
+of a fresh pid namespace; `session_main` enters its own mount, network, IPC and UTS namespaces (`jail_setup.py`), its
+cgroups, uid, rlimits and seccomp filter, then runs cells read from fd 3 and reports each cell's ok and traceback on
+fd 4: this module owns that request loop and how one cell runs. What a cell prints reaches fd 1, a memfd that only
+the host reads; the host decides when a call is over (`channel.py`).
 """
 
 import _signal
 import ast
 import base64
 import ctypes
-import fcntl
 import json
 import linecache
 import os
 import resource
 import signal
-import socket
 import struct
 import sys
 import threading
@@ -25,22 +23,20 @@ import time
 import traceback
 from collections import deque
 
+from jail_setup import (  # a sibling script module (worker.py puts this directory on sys.path for its imports)
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    enter_jail,
+    install_seccomp,
+    prctl,
+    write_file,
+)
+
 HEADER = struct.Struct("!I")
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
 REQUEST_FD, STATUS_FD, READY_FD = 3, 4, 5
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
-    0x20000,
-    0x4000000,
-    0x8000000,
-    0x20000000,
-    0x40000000,
-)
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
-PR_SET_PDEATHSIG = 1
-_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 _BACKGROUND_NICE = 10
 _THIS_FILE = os.path.abspath(__file__)
-libc = ctypes.CDLL(None, use_errno=True)
 
 
 def frame(obj):
@@ -57,28 +53,6 @@ def read_exact(fd, n):
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-def check(result, what):
-    if result != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"{what}: {os.strerror(code)}")
-
-
-def prctl(option, value):
-    libc.prctl(option, value, 0, 0, 0)
-
-
-def mount(source, target, fstype, flags=0, data=None):
-    def enc(text):
-        return None if text is None else text.encode()
-
-    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
-
-
-def write_file(path, text):
-    with open(path, "w") as f:
-        f.write(text)
 
 
 # ------------------------------------------------------------------------------------------------- session process
@@ -276,22 +250,6 @@ class _Cell:
         return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, total - len(text))}
 
 
-def _enter_jail(config):
-    """Own mount/network/IPC/UTS namespaces (the pid namespace came with the fork): private size-bounded temp
-    directories, a fresh /proc that shows only this jail, and a loopback interface that is up and reaches nothing."""
-    network = 0 if config.get("network") else CLONE_NEWNET  # LocalSandbox(network=True) keeps the host's network
-    check(libc.unshare(CLONE_NEWNS | network | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    tmpfs = f"size={config['scratch_mb']}m,nr_inodes={config['max_files']},mode=1777"
-    for target in ("/tmp", "/dev/shm", "/var/tmp"):
-        if os.path.isdir(target):
-            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if network:
-        with socket.socket() as s:  # SIOCSIFFLAGS lo IFF_UP|IFF_RUNNING
-            fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
-
-
 # Plain ints and the C function: `signal.pthread_sigmask` turns every result into enum members (30x slower).
 _CATCHABLE = {int(n) for n in signal.valid_signals()} - {int(signal.SIGKILL), int(signal.SIGSTOP)}
 _TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
@@ -305,17 +263,6 @@ def _quiet_signals():
     for timer in _TIMERS:
         signal.setitimer(timer, 0)
     return mask
-
-
-def _install_seccomp(program):
-    """Loads a classic-BPF seccomp filter (built on the host with libseccomp) for this process and its children."""
-    filt = ctypes.create_string_buffer(program)
-
-    class _Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    prog = _Prog(len(program) // 8, ctypes.cast(filt, ctypes.c_void_p))
-    check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 # What a pre-started jail runs (and forgets) before it is handed out: the request loop, a trailing expression, printing
@@ -356,10 +303,14 @@ def session_main(config, jail):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing us
     signal.signal(signal.SIGXCPU, _on_sigxcpu)
-    for directory in jail["cgroups"]:
+    for directory in dict.fromkeys(jail["cgroups"].values()):
         write_file(os.path.join(directory, "cgroup.procs"), "0")
+    try:  # first in line for the OOM killer, before the trainer (a cell cannot lower it again)
+        write_file("/proc/self/oom_score_adj", "1000")
+    except OSError:
+        pass
     if config["jail"]:
-        _enter_jail(config)
+        enter_jail(config)
     scratch = os.path.join(config["scratch_root"], jail["name"])
     os.makedirs(config["scratch_root"], mode=0o711, exist_ok=True)
     os.mkdir(scratch, 0o700)
@@ -383,9 +334,9 @@ def session_main(config, jail):
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
     if config.get("seccomp"):
-        _install_seccomp(base64.b64decode(config["seccomp"]))
+        install_seccomp(base64.b64decode(config["seccomp"]))
     os.environ["HOME"] = os.environ["TMPDIR"] = scratch
     sys.argv = [""]
     if "random" in sys.modules:  # forked children would otherwise all draw the same "random" numbers
@@ -410,77 +361,3 @@ def session_main(config, jail):
         os.write(STATUS_FD, status_frame)  # then park in the read above: the host kills us if fatal
     _kill_descendants(uid)
     os._exit(0)
-
-
-def probe_jail():
-    """Whether this process can build jails (namespaces and mounts need root, or a user namespace's root)."""
-    if os.geteuid() != 0:
-        return "not root"
-    pid = os.fork()
-    if pid == 0:
-        try:
-            check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID), "unshare")
-            mount(None, "/", None, MS_REC | MS_PRIVATE)
-            mount("tmpfs", "/tmp", "tmpfs", 0, "size=1m")
-            os._exit(0)
-        except BaseException:  # noqa: B036
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    return None if status == 0 else "unshare or mount failed"
-
-
-# ------------------------------------------------------------------------------- used by the zygote
-
-
-class Jail:
-    """The zygote's handle on one session process: its channels (until handed to the host) and its cgroups."""
-
-    def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
-        self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
-        self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
-        self.cgroups, self.scratch = cgroups, scratch
-        self.host = None  # the session's socket to the host, once handed out
-        self.set_up = False
-        self.closed = False
-
-    def hand_over(self, host):
-        """The host now holds the request and status pipes: only it writes requests and reads statuses."""
-        self.host = host
-        host.setblocking(False)
-        for fd in (self.request_w, self.status_r):
-            os.close(fd)
-        self.request_w = self.status_r = None
-
-    def close_fds(self):
-        if self.closed:
-            return
-        self.closed = True
-        for fd in (self.request_w, self.status_r, self.output, self.ready_r):
-            if fd is not None:
-                os.close(fd)
-        self.request_w = self.status_r = self.ready_r = None
-        if self.host is not None:
-            self.host.close()
-            self.host = None
-
-
-def recv_control(sock):
-    """Reads one control frame and the descriptors riding on its first byte; (None, []) at EOF."""
-    fds = []
-    header, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
-    while header and len(header) < HEADER.size:
-        more = sock.recv(HEADER.size - len(header))
-        header = header + more if more else b""
-    if not header:
-        return None, fds
-    size = HEADER.unpack(header)[0]
-    data = b""
-    while len(data) < size:
-        more = sock.recv(size - len(data))
-        if not more:
-            return None, fds
-        data += more
-    return json.loads(data), fds

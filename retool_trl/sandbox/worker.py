@@ -25,26 +25,19 @@ import sys
 import time
 import traceback
 
-# The sibling modules `session_process.py` and `reaping.py`: python -I puts no script directory on sys.path, and
-# cells must not find this package's modules there either, so the directory is on it for these imports only.
+# The sibling modules `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script directory on
+# sys.path, and cells must not find this package's modules there either, so the directory is on it for these imports
+# only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reaping import death_cause, rmdir_quietly  # noqa: E402
-from session_process import (  # noqa: E402
-    CLONE_NEWPID,
-    Jail,
-    check,
-    frame,
-    libc,
-    probe_jail,
-    recv_control,
-    session_main,
-    write_file,
-)
+from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
+from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
+from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
 
 _REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
-_RETIRE_BATCH = 32  # closed sessions kept stopped at most before they are killed even while busy
+_SPARE_WEIGHT, _FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
+_RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
 _SA_NOCLDSTOP = 1
 
@@ -85,8 +78,10 @@ class _Zygote:
         self.control, self.config = control, config
         self.jails = {}  # pid -> Jail (spares and sessions)
         self.spares = []  # pids of jails waiting for a session, oldest first
+        self.target = config["spares"]  # spares wanted now: the usual count, or more after a `reserve`
+        self.reserve_until = 0.0  # reserved spares beyond the usual count are released after this
+        self.refilling = False  # forked a spare at the last idle moment: fork the next one without waiting
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
-        self.retired = []  # closed sessions, stopped, to be killed at the next idle moment
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
         self.selector = selectors.DefaultSelector()
@@ -95,24 +90,42 @@ class _Zygote:
 
     # -------------------------------------------------------------------------------------------- forking jails
 
-    def _new_cgroups(self, name):
-        made = []
+    def _new_cgroups(self, name, warm):
+        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written. A
+        spare started ahead of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice`
+        would weigh nothing against the running cells); `spawn` gives it the full weight."""
+        made = {}
+        period_us = 100_000
         for kind, root in self.config["cgroups"]:
             path = os.path.join(root, name)
-            os.mkdir(path)
-            made.append(path)
+            if path not in made.values():
+                os.mkdir(path)
+            made[kind] = path
             limits = {
                 "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
                 "pids": {"pids.max": self.config["max_processes"]},
+                # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
+                "cpu": {
+                    "cpu.cfs_period_us": period_us,
+                    "cpu.cfs_quota_us": period_us,
+                    "cpu.shares": _SPARE_WEIGHT if warm else _FULL_WEIGHT,
+                },
                 "v2": {
                     "memory.max": self.config["memory_mb"] << 20,
                     "memory.swap.max": 0,
                     "pids.max": self.config["max_processes"],
+                    "cpu.max": f"{period_us} {period_us}",
+                    "cpu.weight": 10 if warm else 100,
                 },
-            }[kind]
+            }.get(kind, {})
             for key, value in limits.items():
                 if os.path.exists(os.path.join(path, key)):
-                    write_file(os.path.join(path, key), str(value))
+                    try:
+                        write_file(os.path.join(path, key), str(value))
+                    except OSError:
+                        if not key.startswith("cpu"):
+                            raise
+                        # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
         return made
 
     def fork_jail(self, warm):
@@ -124,9 +137,9 @@ class _Zygote:
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)  # closed by the jail once set up, before any cell runs
         output = os.memfd_create("output", os.MFD_CLOEXEC)
         try:
-            cgroups = self._new_cgroups(name)
+            cgroups = self._new_cgroups(name, warm)
         except OSError:
-            cgroups = []
+            cgroups = {}
         if self.config["jail"]:
             check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
         try:
@@ -154,11 +167,11 @@ class _Zygote:
         self.selector.register(ready_r, selectors.EVENT_READ, ("ready", jail))
         return pid
 
-    def spawn(self, fds):
-        if len(fds) != 1:
+    def spawn(self, fds, ready_only=False):
+        if len(fds) != 1 or (ready_only and not self.spares):  # no fork for a jail the host only keeps at hand
             for fd in fds:
                 os.close(fd)
-            return {"error": "spawn needs exactly one socket"}
+            return {"error": "spawn needs exactly one socket" if len(fds) != 1 else "no jail ready"}
         host = socket.socket(fileno=fds[0])
         if not self.spares:
             try:
@@ -167,18 +180,30 @@ class _Zygote:
                 host.close()
                 return {"error": f"could not start a jail: {exc}"}
         jail = self.jails[self.spares.pop(0)]
+        if self.target > self.config["spares"]:  # a reserved jail taken: one fewer to keep ready
+            self.target -= 1
+            self.reserve_until = time.monotonic() + self.config.get("reserve_idle_s", _RESERVE_IDLE_S)
         try:
             os.setpriority(os.PRIO_PROCESS, jail.pid, 0)  # only root may lower niceness again: we are root here
         except OSError:
             pass
+        for kind, name, value in (("cpu", "cpu.shares", _FULL_WEIGHT), ("v2", "cpu.weight", 100)):
+            path = jail.cgroup_kinds.get(kind)
+            if path and os.path.exists(os.path.join(path, name)):
+                try:
+                    write_file(os.path.join(path, name), str(value))
+                except OSError:
+                    pass
         # The hello carries the jail's channels, and its pid as the host sees it: SCM_CREDENTIALS are translated
         # between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which we have as root).
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
         try:
             creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
-            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": True})], [creds, rights])
+            hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
+            host.sendmsg([frame(hello)], [creds, rights])
         except PermissionError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            host.sendmsg([frame({"hello": True, "pid": jail.pid, "creds": False})], [rights])
+            hello = {"hello": True, "pid": jail.pid, "creds": False, "cgroups": jail.cgroup_kinds}
+            host.sendmsg([frame(hello)], [rights])
         except OSError as exc:
             host.close()
             self.kill(jail)
@@ -186,6 +211,19 @@ class _Zygote:
         jail.hand_over(host)  # the host alone writes requests and reads statuses from now on
         self.selector.register(host, selectors.EVENT_READ, ("host", jail))
         return {"pid": jail.pid}
+
+    def reserve(self, count):
+        """Keeps `count` jails ready (the host bounds it): forked one after another while nothing else is asked,
+        each at low priority, and released if unused for `_RESERVE_IDLE_S`."""
+        self.target = max(self.config["spares"], int(count))
+        self.reserve_until = time.monotonic() + self.config.get("reserve_idle_s", _RESERVE_IDLE_S)
+        return {"ok": True, "target": self.target}
+
+    def release_reserve(self):
+        """Kills the spares beyond the usual count: nobody came for them."""
+        self.target = self.config["spares"]
+        while len(self.spares) > self.target:
+            self.kill(self.jails[self.spares.pop()])
 
     # ------------------------------------------------------------------------------------------------ events
 
@@ -243,21 +281,8 @@ class _Zygote:
         self.forget(jail)
 
     def retire(self, jail):
-        """A closed session: stopped now (nothing of it runs any more), killed when the zygote is idle or enough
-        are waiting, so that the kernel's teardown of its namespaces does not compete with the running cells."""
-        try:
-            os.kill(jail.pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-        self.forget(jail)
-        self.retired.append(jail)
-        if len(self.retired) >= _RETIRE_BATCH:
-            self.kill_retired()
-
-    def kill_retired(self):
-        retired, self.retired = self.retired, []
-        for jail in retired:
-            self.kill(jail)
+        """A closed session: killed at once, so that its memory is free for the sessions still running."""
+        self.kill(jail)
 
     def forget(self, jail):
         if jail.closed:
@@ -284,8 +309,6 @@ class _Zygote:
                 continue  # a scratch remover
             if pid in self.spares:
                 self.spares.remove(pid)
-            if jail in self.retired:
-                self.retired.remove(jail)
             if jail.ready_r is not None:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
@@ -306,7 +329,6 @@ class _Zygote:
             shutil.rmtree(path, ignore_errors=True)
 
     def shutdown(self):
-        self.retired = []
         for jail in list(self.jails.values()):
             self.kill(jail)
         deadline = time.monotonic() + 5
@@ -336,15 +358,23 @@ class _Zygote:
             },
         )
         while True:
-            refill = len(self.spares) < self.config["spares"] or self.retired
-            events = self.selector.select(_REFILL_AFTER_S if refill else None)
-            if not events and self.retired:
-                self.kill_retired()
-            elif not events and refill:
+            refill = len(self.spares) < self.target
+            if refill:  # a reserve is forked back to back, but only while no request waits
+                timeout = 0.0 if self.refilling else _REFILL_AFTER_S
+            elif len(self.spares) > self.config["spares"]:
+                timeout = max(0.0, self.reserve_until - time.monotonic())
+            else:
+                timeout = None
+            events = self.selector.select(timeout)
+            self.refilling = False
+            if not events and refill:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
+                    self.refilling = True
                 except OSError:
                     time.sleep(0.1)  # out of processes or memory: do not spin
+            elif not events and len(self.spares) > self.config["spares"] and time.monotonic() >= self.reserve_until:
+                self.release_reserve()
             for key, _ in events:
                 kind, jail = key.data
                 if kind == "wake":
@@ -369,7 +399,13 @@ class _Zygote:
             request, fds = None, []
         if request is None or request.get("op") == "shutdown":
             return False
-        reply = self.spawn(fds) if request.get("op") == "spawn" else {"error": f"unknown op {request.get('op')!r}"}
+        op = request.get("op")
+        if op == "spawn":
+            reply = self.spawn(fds, bool(request.get("ready_only")))
+        elif op == "reserve":
+            reply = self.reserve(request.get("count", 0))
+        else:
+            reply = {"error": f"unknown op {op!r}"}
         _send(self.control, reply)
         return True
 

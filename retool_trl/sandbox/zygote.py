@@ -92,6 +92,10 @@ class _Zygote:
 
         return self._exchange(send, len(requests))
 
+    def reserve(self, count: int) -> dict:
+        """Asks the zygote to keep `count` jails ready (see `LocalSandbox.reserve`)."""
+        return self._exchange(lambda: self.control.sendall(frame({"op": "reserve", "count": count})), 1)[0]
+
     def terminate(self, timeout_s: float = 5.0) -> None:
         try:
             with self.lock:

@@ -1,0 +1,254 @@
+"""A whole GRPO batch of sessions side by side: nothing of a finished call runs on, no session takes another's CPU or
+memory, and an outer kill is the sandbox's failure, not the cell's.
+
+Each test stands for an attack or accident seen in a red-team pass over a batch of jailed sessions (the docstrings
+say which), and checks the outcome against the kernel's own view (pid namespaces, cgroup files), not the sandbox's.
+"""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from retool_trl.sandbox import LocalSandbox
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _jail_processes(host_pid: int) -> list[int]:
+    """Live (non-zombie) processes of the jail whose pid 1 is `host_pid`, other than that pid 1: every process whose
+    pid namespace is the jail's, found by scanning /proc (an account independent of the sandbox's cgroups)."""
+    try:
+        ns = os.readlink(f"/proc/{host_pid}/ns/pid")
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == host_pid:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != ns:
+                continue
+            state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def _jailed(sandbox):
+    report = sandbox.isolation_report()
+    if not report["jail_per_session"] or not report["pids_cgroup"]:
+        pytest.skip(f"needs per-session jails and cgroups; missing here: {report['missing']}")
+    return report
+
+
+HOPPER_C = r"""
+#include <signal.h>
+#include <unistd.h>
+int main(void) {
+    signal(SIGCHLD, SIG_IGN);
+    for (;;) {
+        pid_t pid = fork();
+        if (pid > 0) _exit(0);  /* the parent leaves at once: its child is the next hop */
+    }
+}
+"""
+COMPILE = f"""
+import subprocess
+open('/tmp/hop.c', 'w').write({HOPPER_C!r})
+subprocess.run(['gcc', '-O1', '-o', '/tmp/hop', '/tmp/hop.c'], check=True, capture_output=True)
+print('built')
+"""
+# The session's own sweep runs in the cell's interpreter and can be replaced; pid 1 ignoring SIGCHLD leaves no
+# zombies behind the hoppers (each hop's parent is gone before anyone can list it).
+TRICKS = """
+import os, signal, sys
+sys.modules['session_process']._kill_descendants = lambda uid: None
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+"""
+HOP_COMPILED = (
+    TRICKS
+    + """
+for _ in range(3):
+    if os.fork() == 0:
+        os.execv('/tmp/hop', ['/tmp/hop'])
+print('hopping')
+"""
+)
+HOP_PYTHON = (
+    TRICKS
+    + """
+for _ in range(3):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            if os.fork() > 0:
+                os._exit(0)
+print('hopping')
+"""
+)
+
+
+@pytest.mark.parametrize("hopper", ["compiled", "python"])
+def test_no_process_of_a_finished_call_survives(hopper):
+    """Finding: a cell that replaced the in-cell killer, ignored SIGCHLD in pid 1 and started fork-and-exit hoppers
+    kept processes running after its call returned ok (7 of 30 calls), which then starved the neighbours until the
+    session closed. Now a call settles only once its jail holds just the parked interpreter: 100 of 100 calls leave
+    no process behind."""
+    if hopper == "compiled" and shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine (the jail sees the host's)")
+    with LocalSandbox(num_workers=2, timeout_s=20.0, memory_mb=512, max_processes=32, preload=()) as sb:
+        _jailed(sb)
+        s = sb.session()
+        if hopper == "compiled":
+            r = s.run(COMPILE)
+            assert r.ok and r.output == "built\n", r
+        code = HOP_COMPILED if hopper == "compiled" else HOP_PYTHON
+        survived = []
+        for _ in range(100):
+            r = s.run(code)
+            assert r.ok and r.output == "hopping\n", r
+            survived.append(len(_jail_processes(s._proc.host_pid)))
+        assert survived == [0] * 100, survived
+        assert s.run("print('still here')").output == "still here\n"
+
+
+ALLOCATE = "import os\nblock = bytearray(os.urandom(1 << 20)) * {mb}\nprint('earlier output', len(block) >> 20)"
+
+
+def test_an_oom_kill_beyond_the_sessions_own_limit_is_the_sandboxs_failure():
+    """Finding: sessions each within `memory_mb` but together above what the machine allowed: the OOM killer took
+    the trainer (jails ran at oom_score_adj 0, the sandbox as a whole had no bound), or took an idle session whose
+    next call then said `MemoryError: memory limit ... exceeded` (`infra_error=False`) after the previous cell's
+    output. Here the sandbox's own bound (below the sessions' sum) stands for the machine's: whoever it kills gets an
+    `infra_error`, and no call shows another call's output."""
+    with LocalSandbox(num_workers=2, timeout_s=20.0, memory_mb=400, total_memory_mb=300, preload=(), spares=0) as sb:
+        report = _jailed(sb)
+        if not report["memory_cgroup"]:
+            pytest.skip("needs a memory cgroup")
+        a, b = sb.session(), sb.session()
+        assert a.run("print(open('/proc/self/oom_score_adj').read().strip())").output == "1000\n"
+        first = [a.run(ALLOCATE.format(mb=180)), b.run(ALLOCATE.format(mb=180))]
+        later = [a.run("print('later')"), b.run("print('later')")]
+    results = first + later
+    failed = [r for r in results if not r.ok]
+    assert failed, results  # 360 MB do not fit in 300: one of them was killed
+    for r in failed:
+        assert r.infra_error and "MemoryError" not in r.output, r
+        assert "earlier output" not in r.output or r in first, r
+    assert [r for r in later if r.ok] == [r for r in later if r.output == "later\n"], later
+
+
+def test_a_kill_between_calls_shows_no_earlier_output():
+    """Finding: a session killed from outside between two calls reported its death after the previous call's
+    output."""
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("print('earlier output')").output == "earlier output\n"
+        os.kill(s._proc.host_pid, 9)
+        r = s.run("print('later')")
+    assert r.infra_error and "earlier output" not in r.output, r
+
+
+def test_a_closed_session_is_killed_at_once():
+    """Finding: closed sessions waited, stopped but holding their memory, in batches of up to 32 until the zygote
+    was idle. Now `close()` kills the jail: its pid 1 is gone without any further call to the sandbox."""
+    with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("x = bytearray(50 << 20)").ok
+        pid = s._proc.host_pid
+        s.close()
+        for _ in range(500):
+            if not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes():
+                break
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes()
+
+
+SPINNERS = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        os.setsid()  # its own scheduler autogroup, outside any process group the cell could be judged by
+        while True:
+            pass
+time.sleep(60)
+"""
+NEIGHBOUR = "t = time.process_time()\nwhile time.process_time() - t < 0.15:\n    pass\nprint('done')"
+
+
+def test_a_session_spinning_in_many_children_neither_starves_its_neighbour_nor_passes_its_cpu_budget():
+    """Finding: a cell forked children that each `setsid()` and spin: a neighbour's 0.64 s cell took 4.6 s at 16
+    children and timed out at 62, and the spinning call used ~9 CPU-seconds against `cpu_time_s=6` (the rlimit
+    counts per process). Now a session has one CPU at most (its cpu cgroup's quota) and a call's CPU budget counts
+    all its processes (cpuacct): the spinning call ends on its CPU budget, long before its wall-clock limit, and the
+    neighbour's calls all finish without a timeout."""
+    import threading
+
+    with LocalSandbox(num_workers=2, timeout_s=60.0, cpu_time_s=2.0, max_processes=32, preload=()) as sb:
+        report = _jailed(sb)
+        if not report["cpu_cgroup"]:
+            pytest.skip("needs a cpu cgroup")
+        hog, neighbour = sb.session(), sb.session()
+        assert neighbour.run("import time").ok and hog.run("pass").ok
+        quota = Path(hog._proc.cgroups["cpu"], "cpu.cfs_quota_us").read_text() if "cpu" in hog._proc.cgroups else ""
+        box = []
+        runner = threading.Thread(target=lambda: box.append(hog.run(SPINNERS)))
+        runner.start()
+        results = []
+        while runner.is_alive() and len(results) < 200:
+            results.append(neighbour.run(NEIGHBOUR))
+        runner.join(90)
+    assert box and box[0].timed_out and "CPU time limit of 2 s exceeded" in box[0].output, box
+    assert "execution exceeded" not in box[0].output
+    assert results and all(r.ok and r.output == "done\n" for r in results), results
+    assert quota.strip() == "100000"
+
+
+def _live_jails(sandbox) -> set[int]:
+    """Pids (the host's) of the jails alive in this sandbox, from the kernel's list of its per-jail cgroups."""
+    roots = [path for kind, path in sandbox._cgroups.roots if kind in ("pids", "v2")]
+    found = set()
+    for root in roots[:1]:
+        for child in Path(root).iterdir():
+            try:
+                found.update(int(p) for p in (child / "cgroup.procs").read_text().split()[:1])
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def _wait_for(predicate, limit_s=60.0):
+    end = time.monotonic() + limit_s
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_reserve_prepares_jails_before_the_sessions_are_opened_and_releases_them_unused():
+    """Finding: a GRPO step opens a whole batch of sessions at once, and their first calls waited for jails to be
+    forked (p99 2.7 s, dozens waiting 0.5-4 s every other burst). `reserve(n)` forks them while the model
+    generates: the sessions' first calls then run in jails that existed before they were opened. Spares beyond
+    the usual few are bounded by the sandbox's memory and released when nobody takes them."""
+    with LocalSandbox(num_workers=1, timeout_s=10.0, preload=(), spares=1, total_memory_mb=16 * 10) as sb:
+        _jailed(sb)
+        sb.reserve(6)
+        assert _wait_for(lambda: len(_live_jails(sb)) >= 6), _live_jails(sb)
+        before = _live_jails(sb)
+        sessions = [sb.session() for _ in range(6)]
+        results = sb.run_many([(s, "print('first')") for s in sessions])
+        assert all(r.output == "first\n" for r in results), results
+        assert {s._proc.host_pid for s in sessions} <= before
+        for s in sessions:
+            s.close()
+        sb.reserve_idle_s = 2.0
+        sb._zygote.terminate()  # a fresh zygote takes the shorter hold
+        assert sb.session().run("1").ok
+        sb.reserve(100)  # bounded: 160 MB for the whole sandbox holds 10 reserved jails (16 MB each)
+        peak = max(len(_live_jails(sb)) for _ in range(20) if time.sleep(0.05) is None)
+        assert 10 <= peak <= 10 + 2, peak  # the reserve, the live session and one jail the host keeps at hand
+        assert _wait_for(lambda: len(_live_jails(sb)) <= 3), _live_jails(sb)  # released unused
