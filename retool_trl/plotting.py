@@ -10,6 +10,7 @@ markers, not as a line (two points are not a trend).
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +139,12 @@ def _panel_series(panel: Panel, history: Sequence[dict]) -> list[tuple[str, list
 
 
 def _changes(panel: Panel, histories: Mapping[str, Sequence[dict]]) -> bool:
-    values = [v for h in histories.values() for _, _, vs in _panel_series(panel, h) for v in vs]
-    return bool(values) and max(values) - min(values) > 1e-9
+    """Whether a panel has something to read: values that change, or too few steps to call them flat."""
+    series_ = [vs for h in histories.values() for _, _, vs in _panel_series(panel, h) if vs]
+    values = [v for vs in series_ for v in vs]
+    if not values:
+        return False
+    return max(values) - min(values) > 1e-9 or max(len(vs) for vs in series_) < 3
 
 
 def _reward_range(histories: Mapping[str, Sequence[dict]]) -> tuple[float, float] | None:
@@ -158,9 +163,11 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
     styles, widest, annotated, held_out_span = ("-", "--", ":"), 1, set(), 0
     for run, history in histories.items():
         color = colors[run]
-        for (label, steps, values), style in zip(_panel_series(panel, history), styles):
+        for index, ((label, steps, values), style) in enumerate(zip(_panel_series(panel, history), styles)):
             if not values:
                 continue
+            if len(histories) == 1:  # one run: colors tell the series apart (several runs: colors are the runs)
+                color = f"C{index}"
             name = " · ".join(part for part in (run if len(histories) > 1 else "", label) if part) or None
             window = _window(len(values))
             widest = max(widest, window)
@@ -222,6 +229,9 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
         from matplotlib.ticker import PercentFormatter
 
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(panel.title, fontsize=10)
     ax.set_ylabel(panel.ylabel, fontsize=9)
     ax.set_xlabel("training step")
@@ -286,8 +296,8 @@ def plot_runs(
         notes.append(f"Lines: rolling mean over {widest} logged steps; faint: each step.")
     if any(p.held_out for p in chosen) and evals:
         notes.append("Markers: held-out accuracy etc. before (circle) and after (square) training, with their values.")
-    if title:
-        fig.suptitle(title, fontsize=11)
+    if title:  # wrapped to the figure's width (about 12 characters per inch at this size)
+        fig.suptitle(textwrap.fill(title, max(40, int(fig.get_figwidth() * 12))), fontsize=11)
     if notes:
         fig.text(0.01, 0.005, "  ".join(notes), fontsize=7.5, color="0.3", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.04 if notes else 0, 1, 1))
@@ -359,8 +369,10 @@ def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequenc
     (`retool_run.json` or the quickstart's `summary.json`)."""
     run = Path(run)
     folder = run if run.is_dir() else run.parent
-    info = read_run_info(folder)
     states = find_runs(run)
+    info = read_run_info(folder)
+    if not info and len(states) == 1:  # e.g. retool_quickstart/ holding the one run retool_quickstart/tool_rl/
+        info = read_run_info(next(iter(states.values())).parent)
     order = [name for name in info.get("runs", []) if name in states] + [
         n for n in states if n not in info.get("runs", [])
     ]

@@ -225,3 +225,17 @@ def test_run_outputs_of_shipped_configs_are_git_ignored():
     paths = [f"{folder}/trainer_state.json" for folder in folders if folder]
     done = subprocess.run(["git", "check-ignore", *paths], capture_output=True, text=True, cwd=REPO)
     assert sorted(done.stdout.split()) == sorted(paths), json.dumps(paths)
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`retool-trl train --help | head -3`: the reader leaves early; no traceback on the terminal."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "retool_trl", "train", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    process.stdout.close()  # the reader is gone before the help is written: every write fails
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == 0 and "Traceback" not in err, err

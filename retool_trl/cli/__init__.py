@@ -99,6 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG} {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `retool-trl train --help | head`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+        return 0
 
 
 __all__ = ["COMMANDS", "UserError", "main"]
