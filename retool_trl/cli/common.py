@@ -17,6 +17,21 @@ PROMPT_FORMAT_HELP = (
 PROMPT_FORMAT_CHOICES = ["auto", "conversational", "plain"]
 CONSOLE_CHOICES = ["compact", "dicts"]
 
+
+def console_field():
+    """The `console` option of the training commands (`train`, `sft`), as a dataclass field."""
+    from dataclasses import field
+
+    return field(
+        default="compact",
+        metadata={
+            "help": "Console output while training: 'compact' (a progress line with the key numbers; every log goes "
+            "to OUTPUT_DIR/log.jsonl) or 'dicts' (TRL's full log dict at every logging step).",
+            "choices": CONSOLE_CHOICES,
+        },
+    )
+
+
 CHAT_TEMPLATE_PATH_HELP = (
     "A chat template to use instead of the tokenizer's: a Jinja file (.jinja, .j2), or a tokenizer folder or hub id "
     "that has one. Give evaluation the same template as training (a trained model's folder already carries it)."

@@ -14,9 +14,9 @@ from trl.scripts.utils import ScriptArguments
 from ..errors import UserError, one_line
 from ..prompts import SYSTEM_PROMPTS, Tags
 from .common import (
-    CONSOLE_CHOICES,
     PROG,
     PROMPT_FORMAT_CHOICES,
+    console_field,
     finish,
     logger,
     model_init_kwargs,
@@ -64,14 +64,7 @@ class SFTScriptArguments(ScriptArguments):
     prompt_column: str | None = field(default=None, metadata={"help": "Column with the prompts."})
     completion_column: str | None = field(default=None, metadata={"help": "Column with the completions."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N traces."})
-    console: str = field(
-        default="compact",
-        metadata={
-            "help": "Console output while training: 'compact' (a progress line with the key numbers; every log goes "
-            "to OUTPUT_DIR/log.jsonl) or 'dicts' (TRL's full log dict at every logging step).",
-            "choices": CONSOLE_CHOICES,
-        },
-    )
+    console: str = console_field()
 
 
 SFT_TRL_OPTIONS = (

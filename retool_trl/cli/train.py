@@ -15,10 +15,10 @@ from trl.scripts.utils import ScriptArguments
 from ..errors import UserError
 from .common import (
     CHAT_TEMPLATE_PATH_HELP,
-    CONSOLE_CHOICES,
     PROG,
     PROMPT_FORMAT_CHOICES,
     PROMPT_FORMAT_HELP,
+    console_field,
     data_prompt_format,
     finish,
     model_init_kwargs,
@@ -93,14 +93,7 @@ class TrainScriptArguments(ScriptArguments):
     pad_token: str | None = field(
         default=None, metadata={"help": "Pad token to set when the tokenizer has none (e.g. its EOS token)."}
     )
-    console: str = field(
-        default="compact",
-        metadata={
-            "help": "Console output while training: 'compact' (a progress line with the key numbers; every log goes "
-            "to OUTPUT_DIR/log.jsonl) or 'dicts' (TRL's full log dict at every logging step).",
-            "choices": CONSOLE_CHOICES,
-        },
-    )
+    console: str = console_field()
 
 
 MODEL_HELP = (
