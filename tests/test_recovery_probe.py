@@ -183,3 +183,25 @@ def test_probe_is_skipped_without_the_interpreter_and_the_table_says_so(held_out
     tool_line, text_line = table.splitlines()[1:]
     assert "55.0% -> 87.5% (256, ± 3.1% -> 2.1%)" in tool_line
     assert "- (no interpreter)" in text_line
+
+
+def test_probe_prompt_ids_are_those_the_rollout_builds_for_a_cell_the_model_wrote(held_out, tmp_path):
+    """The model sees, token for token, what it would have seen had it written the failing cell itself: the prompt's
+    ids, the cell as it would be sampled, then the interpreter block as the rollout splices it in. (A tokenizer that
+    merged across the prompt/cell boundary, or added a token at the end of a prompt, would break this.)"""
+    from transformers import AutoTokenizer
+
+    from retool_trl.inference import tokenize_prompts
+    from retool_trl.rollout import RolloutSpec, interpreter_blocks
+
+    tokenizer = AutoTokenizer.from_pretrained(multiturn_model_path(), padding_side="left")
+    config = rl_config(QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS), tmp_path, True, max_tool_calls=4)
+    spec = RolloutSpec.from_config(config, [tokenizer.eos_token_id])
+    probe = recovery_probe_prompts(held_out)
+    probed = tokenize_prompts(tokenizer, probe["prompt"], config)
+    plain = tokenize_prompts(tokenizer, held_out["prompt"], config)
+    for ids, prompt_ids, cell in zip(probed, plain, probe["failing_cell"]):
+        code, output = FAILING_CELL.search(cell).groups()
+        written = tokenizer(f"<code>{code}</code>", add_special_tokens=False)["input_ids"]
+        (block,) = interpreter_blocks(tokenizer, [output], spec)
+        assert ids == prompt_ids + written + block
