@@ -168,7 +168,8 @@ def plot_comparison(
         histories (`dict[str, list[dict]]`): Run name -> TRL `log_history`.
         output (`str` or `Path`): PNG path.
         evals (`dict[str, dict]`, *optional*): Run name -> summary entry; held-out values before/after are drawn
-            as markers on the panels of `accuracy` (accuracy panel), `calls_per_completion` and `recovery_rate`.
+            as markers on the panels of `accuracy` (accuracy panel), `calls_per_completion` and `recovery_rate`
+            (with the recovery probe's `recovery_probe_before`/`_after` ± standard error where present).
         panels: `(title, logged key, transform)` per panel; the reward, accuracy, code ratio and length by default.
     """
     import matplotlib
@@ -203,6 +204,21 @@ def plot_comparison(
                     markersize=5,
                     label=f"{name} held-out",
                 )
+            probe = (evals or {}).get(name, {})
+            if metric == "recovery_rate" and probe.get("recovery_probe_before") is not None:
+                # The recovery probe (every held-out completion starts from a failing cell), ± its standard error.
+                last = max((h.get("step", 0) for h in history), default=0)
+                ax.errorbar(
+                    [0, last],
+                    [probe["recovery_probe_before"], probe["recovery_probe_after"]],
+                    yerr=[probe["recovery_probe_stderr_before"], probe["recovery_probe_stderr_after"]],
+                    fmt="s:",
+                    color=f"C{index}",
+                    capsize=3,
+                    markersize=5,
+                    label=f"{name} probe (n={probe['recovery_probe_n']})",
+                )
+                ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
