@@ -220,6 +220,22 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
                     fontweight="bold",
                 )
                 held_out_span = max(held_out_span, last)
+        if panel.held_out == "recovery_rate" and summary.get("recovery_probe_before") is not None:
+            # The recovery probe: every held-out problem started from a failing cell, with its standard error.
+            last = max((e.get("step", 0) for e in history), default=0)
+            ax.errorbar(
+                [0, last],
+                [summary["recovery_probe_before"], summary["recovery_probe_after"]],
+                yerr=[summary["recovery_probe_stderr_before"], summary["recovery_probe_stderr_after"]],
+                fmt="D",
+                color=color,
+                markerfacecolor="white",
+                capsize=3,
+                markersize=6,
+                zorder=5,
+                label=f"{run} probe (n={summary['recovery_probe_n']} per side)",
+            )
+            held_out_span = max(held_out_span, last)
     if held_out_span:  # room for the labels beside the markers
         ax.set_xlim(-0.16 * held_out_span, 1.16 * held_out_span)
     if reward_range is not None and panel.lines[0][1] == "reward":

@@ -151,6 +151,12 @@ def test_multiturn_quickstart_end_to_end(tmp_path, capsys):
     assert tool["calls_per_completion_after"] >= 0 and text["calls_per_completion_after"] == 0
     for key in ("recovery_rate_before", "recovery_rate_after"):
         assert tool[key] is None or 0 <= tool[key] <= 1
+    # The recovery probe: one completion per held-out problem, each from a failing first cell (tool run only).
+    assert tool["recovery_probe_n"] == 4 and "recovery_probe_n" not in text
+    for when in ("before", "after"):
+        assert 0 <= tool[f"recovery_probe_{when}"] <= 1
+        assert set(tool[f"recovery_probe_by_failure_{when}"]) == set(FAILURES)
+        assert len((out / "tool_rl" / f"probe_{when}_samples.jsonl").read_text().splitlines()) == 4
     # The shipped cold start solves in cells, so the untrained tool run already calls code.
     assert tool["calls_per_completion_before"] >= 1
     log = [json.loads(line) for line in (out / "tool_rl" / "log.jsonl").read_text().splitlines()]

@@ -322,27 +322,49 @@ def multiturn_trace(
         max_cell_chars (`int`): The per-cell budget (only the `too_long` failure's error message depends on it).
         tags: As in [`make_sft_traces`].
     """
-    code_start, code_end, interp_start, interp_end = _tags(tags)
+    if failure is not None and failure not in FAILURES:
+        raise ValueError(f"Unknown failure {failure!r}; expected None or one of {FAILURES}.")
     first, second = multiturn_cells(problem)
     result = str(problem.answer)
 
     def cell(code: str, output: str) -> str:
-        return f"{code_start}{code}{code_end}{interp_start}{output}{interp_end}"
+        return _cell(code, output, tags)
 
-    failing = {
-        None: "",
-        "undefined_name": cell(second, "NameError: name 'a' is not defined\n"),
-        "too_long": cell(f"print({problem.expression})", cell_too_long_error(max_cell_chars)),
-        "typo": cell(first[::-1].replace("*", "x", 1)[::-1], "SyntaxError: invalid decimal literal\n"),
-        "wrong_name": cell(first, "") + cell(second.replace("a", "b", 1), "NameError: name 'b' is not defined\n"),
-    }
-    if failure not in failing:
-        raise ValueError(f"Unknown failure {failure!r}; expected None or one of {FAILURES}.")
+    failing = "" if failure is None else multiturn_failing_cell(problem, failure, max_cell_chars, tags)
+    if failure == "wrong_name":  # `a` was defined first: only the use of `b` fails, and `a` stays in the session
+        failing = cell(first, "") + failing
     answer = f"\\boxed{{{result}}}"
     if failure is not None and not recovers:
-        return failing[failure] + answer
+        return failing + answer
     solved = cell(second, f"{result}\n") if failure == "wrong_name" else cell(first, "") + cell(second, f"{result}\n")
-    return failing[failure] + solved + answer
+    return failing + solved + answer
+
+
+def _cell(code: str, output: str, tags=None) -> str:
+    code_start, code_end, interp_start, interp_end = _tags(tags)
+    return f"{code_start}{code}{code_end}{interp_start}{output}{interp_end}"
+
+
+def multiturn_failing_cell(
+    problem: Problem, failure: str, max_cell_chars: int = MULTITURN_CELL_CHARS, tags=None
+) -> str:
+    """The failing cell of a `failure` (one of `FAILURES`) and the interpreter block that answers it, in a session
+    where nothing ran before, exactly as [`multiturn_trace`] shows it: `<code>bad</code><interpreter>error
+    </interpreter>`. The cell changes no session state (it fails before assigning anything).
+
+    For `wrong_name` it is the use of `b` alone (`NameError`); the trace runs `a=...` before it, which this cell
+    does not include.
+    """
+    first, second = multiturn_cells(problem)
+    cells = {
+        "undefined_name": (second, "NameError: name 'a' is not defined\n"),
+        "too_long": (f"print({problem.expression})", cell_too_long_error(max_cell_chars)),
+        "typo": (first[::-1].replace("*", "x", 1)[::-1], "SyntaxError: invalid decimal literal\n"),
+        "wrong_name": (second.replace("a", "b", 1), "NameError: name 'b' is not defined\n"),
+    }
+    if failure not in cells:
+        raise ValueError(f"Unknown failure {failure!r}; expected one of {FAILURES}.")
+    return _cell(*cells[failure], tags)
 
 
 def make_multiturn_sft_traces(

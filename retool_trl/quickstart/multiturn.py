@@ -13,10 +13,12 @@ recover; RL without it cannot.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
-from ..data.synthetic import MULTITURN_CELL_CHARS
+from ..data.synthetic import FAILURES, MULTITURN_CELL_CHARS, Problem, multiturn_failing_cell
 from ..names import ASSETS, MODEL_ALIASES, quickstart_model_path
 from ..plotting import Panel
 from ..rewards import boxed_accuracy_and_recovery
@@ -97,6 +99,109 @@ def multiturn_eval_metrics(report) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------------ the recovery probe
+# After RL the policy rarely writes a failing cell, so `recovery_rate` rests on a few dozen completions. The probe
+# makes one for every held-out problem: the completion starts with a failing cell and the interpreter's reply to it
+# (kinds of `FAILURES` in turn), and the model must read the error and finish.
+
+
+def recovery_probe_prompts(dataset, max_cell_chars: int = MULTITURN_CELL_CHARS, tags=None):
+    """The held-out problems of `dataset`, each prompt followed by a failing first cell and the interpreter's reply
+    ([`~retool_trl.data.synthetic.multiturn_failing_cell`]; problem `i` gets `FAILURES[i % 4]`).
+
+    The cell fails before assigning anything, so a fresh session (what the rollout opens for the completion) is the
+    state it leaves.
+
+    Returns:
+        `Dataset` with `dataset`'s columns, `prompt` extended by the failing cell, `failure` (its kind) and
+        `failing_cell` (the text appended).
+    """
+    failures = [FAILURES[i % len(FAILURES)] for i in range(len(dataset))]
+    cells = [
+        multiturn_failing_cell(
+            Problem(row["kind"], row["expression"], int(row["answer"]), row["difficulty"]),
+            failure,
+            max_cell_chars,
+            tags,
+        )
+        for row, failure in zip(dataset, failures)
+    ]
+    probe = dataset.remove_columns("prompt").add_column("prompt", [p + c for p, c in zip(dataset["prompt"], cells)])
+    return probe.add_column("failure", failures).add_column("failing_cell", cells)
+
+
+def recovery_probe(
+    model,
+    tokenizer,
+    dataset,
+    config,
+    sandbox,
+    seed: int,
+    when: str,
+    max_cell_chars: int = MULTITURN_CELL_CHARS,
+    batch_size: int = 64,
+) -> dict:
+    """Recovery measured on one probe completion per held-out problem, each starting from a failing first cell.
+
+    The completions are sampled and scored exactly as the evaluation does ([`~retool_trl.evaluation.evaluate`]: the
+    same rollout and interpreter, only the model's own prose counts). The forced cell is one of the completion's
+    cells, so the model gets one call fewer (`max_tool_calls - 1`) and the forced cell's tokens fewer
+    (`max_completion_length`) than a completion of its own. Skipped (`{}`) for a run without the interpreter
+    (`max_tool_calls == 0`): its cells never run, so nothing could be repaired. The completions are written to
+    `config.output_dir/probe_WHEN{.json,.md,_samples.jsonl}`.
+
+    Args:
+        model, tokenizer, dataset, config, sandbox: As for `evaluate` (`dataset`: held-out multi-turn problems).
+        seed (`int`): Sampling seed.
+        when (`str`): `"before"` or `"after"` (training), the suffix of the returned figures.
+        max_cell_chars (`int`): The task's cell budget (the `too_long` cell's reply depends on it).
+        batch_size (`int`): Completions generated together.
+
+    Returns:
+        `recovery_probe_WHEN` (share ending correct), `recovery_probe_stderr_WHEN` (`sqrt(p(1-p)/n)`),
+        `recovery_probe_by_failure_WHEN` (share per failure kind) and `recovery_probe_n` (completions).
+    """
+    import copy
+
+    from transformers import set_seed
+
+    from ..evaluation import EvalReport, compute_metrics, evaluate, write_report
+    from ..parsing import Tags
+
+    if config.max_tool_calls == 0 or len(dataset) == 0:
+        return {}
+    probe = recovery_probe_prompts(dataset, max_cell_chars, Tags.from_config(config))
+    set_seed(seed)
+    records = []
+    for failure in FAILURES:
+        indices = [i for i, f in enumerate(probe["failure"]) if f == failure]
+        if not indices:
+            continue
+        rows = probe.select(indices)
+        forced = max(len(tokenizer(cell, add_special_tokens=False)["input_ids"]) for cell in rows["failing_cell"])
+        limits = copy.copy(config)
+        limits.max_tool_calls = config.max_tool_calls - 1
+        limits.max_completion_length = max(1, config.max_completion_length - forced)
+        report = evaluate(model, tokenizer, rows, limits, batch_size=batch_size, sandbox=sandbox)
+        for record in report.records:
+            record.update(problem=indices[record["problem"]], failure=failure)
+            records.append(record)
+    records.sort(key=lambda r: r["problem"])
+    write_report(EvalReport(compute_metrics(records, 1), len(probe), 1, records), config.output_dir, f"probe_{when}")
+    n = len(records)
+    rate = sum(r["correct"] for r in records) / n
+    by_failure = {}
+    for f in FAILURES:
+        outcomes = [r["correct"] for r in records if r["failure"] == f]
+        by_failure[f] = sum(outcomes) / len(outcomes) if outcomes else None
+    return {
+        f"recovery_probe_{when}": rate,
+        f"recovery_probe_stderr_{when}": math.sqrt(rate * (1 - rate) / n),
+        f"recovery_probe_by_failure_{when}": by_failure,
+        "recovery_probe_n": n,
+    }
+
+
 # ----------------------------------------------------------------------------------------------- the quickstart run
 # `QuickstartArguments` values of `--task multiturn` where the user sets none (a completion with a recovery is up to
 # ~125 tokens; the arithmetic defaults fit one call in 64).
@@ -141,6 +246,7 @@ def multiturn_plan(args) -> TaskPlan:
         run_kwargs={
             "reward_funcs": [boxed_accuracy_and_recovery],
             "eval_metrics": multiturn_eval_metrics,
+            "probe": partial(recovery_probe, max_cell_chars=task.max_cell_chars),
             "max_tool_calls": task.max_tool_calls,
             "max_interpreter_output_chars": task.max_interpreter_output_chars,
             # The per-cell budget and the one-line errors of the cold-start traces (`CellBudgetSandbox`).
@@ -164,6 +270,7 @@ def multiturn_table(summary: dict) -> str:
             "accuracy before -> after",
             "calls/completion before -> after",
             "recovery before -> after (failing completions)",
+            "recovery probe before -> after (n, ± standard error)",
             "train time",
         )
     ]
@@ -177,6 +284,13 @@ def multiturn_table(summary: dict) -> str:
                 (
                     f"{pct(r['recovery_rate_before'])} ({r['failing_completions_before']}) -> "
                     f"{pct(r['recovery_rate_after'])} ({r['failing_completions_after']})"
+                ),
+                (
+                    f"{pct(r['recovery_probe_before'])} -> {pct(r['recovery_probe_after'])} "
+                    f"({r['recovery_probe_n']}, ± {r['recovery_probe_stderr_before']:.1%} -> "
+                    f"{r['recovery_probe_stderr_after']:.1%})"
+                    if "recovery_probe_n" in r
+                    else "- (no interpreter)"
                 ),
                 f"{r['train_s']:.0f} s",
             )

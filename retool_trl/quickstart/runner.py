@@ -57,12 +57,15 @@ def train_run(
     with_tools=None,
     reward_funcs=None,
     eval_metrics=None,
+    probe=None,
     **overrides,
 ) -> dict:
     """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
 
     `with_tools` defaults to `name == "tool_rl"`; `reward_funcs` to the trainer's (`boxed_accuracy`);
-    `eval_metrics(report)` adds a task's metrics to each evaluation; `overrides` are extra `ReToolConfig` fields
+    `eval_metrics(report)` adds a task's metrics to each evaluation; `probe(model, tokenizer, dataset, config,
+    sandbox, seed, when)` runs after each evaluation (`when`: `"before"` or `"after"`) and returns more summary
+    figures, named by itself (the multi-turn task's recovery probe); `overrides` are extra `ReToolConfig` fields
     (ablations, the multi-turn task's limits).
     """
     from transformers import AutoModelForCausalLM
@@ -75,6 +78,7 @@ def train_run(
     model = AutoModelForCausalLM.from_pretrained(start)
     print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==", flush=True)
     before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", eval_metrics)
+    probed = probe(model, tokenizer, splits["test"], config, sandbox, args.seed, "before") if probe else {}
     started = time.perf_counter()
     trainer = ReToolTrainer(
         model, reward_funcs, args=config, train_dataset=splits["train"], processing_class=tokenizer, sandbox=sandbox
@@ -85,9 +89,12 @@ def train_run(
     trainer.save_model(str(run_dir / "model"))
     trainer.save_state()  # trainer_state.json with TRL's log_history
     after = _evaluate(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_after", eval_metrics)
+    if probe:  # the model is in eval mode (`_evaluate`)
+        probed.update(probe(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "after"))
     return {
         **{f"{k}_before": v for k, v in before.items()},
         **{f"{k}_after": v for k, v in after.items()},
+        **probed,
         "train_s": round(train_s, 1),
         "steps": trainer.state.global_step,
         "log_history": trainer.state.log_history,

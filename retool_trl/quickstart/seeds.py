@@ -23,6 +23,10 @@ REPORTED = (
     ("recovery_rate_before", "recovery before", True),
     ("recovery_rate_after", "recovery after", True),
     ("failing_completions_after", "completions with a failing cell after", False),
+    ("recovery_probe_before", "recovery probe before", True),
+    ("recovery_probe_after", "recovery probe after", True),
+    ("recovery_probe_stderr_after", "recovery probe after, standard error", True),
+    ("recovery_probe_n", "recovery probe completions", False),
 )
 
 
