@@ -15,7 +15,9 @@ cell to its own time limit and reports what happened as one JSON line on the ser
 from __future__ import annotations
 
 import base64
+import functools
 import json
+from pathlib import Path
 
 __all__ = ["build_driver"]
 
@@ -50,57 +52,7 @@ except (ValueError, RuntimeError):
 sys.argv = [""]
 
 
-class Capture:
-    # The cell's sys.stdout and sys.stderr: keeps the first and last `limit` characters, counts the rest.
-    encoding, errors = "utf-8", "replace"
-
-    def __init__(self, limit):
-        self.limit, self.head, self.head_len, self.tail, self.tail_len, self.total = limit, [], 0, deque(), 0, 0
-        self.buffer = self
-
-    def write(self, text):
-        if isinstance(text, (bytes, bytearray)):
-            text = bytes(text).decode("utf-8", "replace")
-        elif not isinstance(text, str):
-            raise TypeError("write() argument must be str, not %s" % type(text).__name__)
-        n = len(text)
-        self.total += n
-        if n and self.head_len < self.limit:
-            piece = text[: self.limit - self.head_len]
-            self.head.append(piece)
-            self.head_len += len(piece)
-        if n:
-            self.tail.append(text)
-            self.tail_len += n
-            while self.tail_len - len(self.tail[0]) >= self.limit:
-                self.tail_len -= len(self.tail.popleft())
-        return n
-
-    def writelines(self, lines):
-        for line in lines:
-            self.write(line)
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
-
-    def fileno(self):
-        return 1
-
-    def writable(self):
-        return True
-
-    def readable(self):
-        return False
-
-    closed = False
-
-    def text(self):
-        head, tail = "".join(self.head), "".join(self.tail)
-        tail = tail[len(tail) - self.limit :] if len(tail) > self.limit else tail
-        return head if self.total <= len(head) else head + tail
+@CELL_IO@
 
 
 class CPUTimeExceeded(BaseException):
@@ -116,18 +68,8 @@ def valid(text):
     return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
-def format_exception(exc, last_line=None):
-    te = traceback.TracebackException.from_exception(exc)
-    own = main.__code__.co_filename
-    frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if f.filename != own]
-    lines = ["Traceback (most recent call last):\n"] + list(traceback.StackSummary.from_list(frames[-5:]).format())
-    lines = lines if frames else []
-    only = list(te.format_exception_only())
-    if last_line is None and isinstance(exc, SyntaxError):
-        lines += only
-    else:
-        lines.append((last_line or " ".join("".join(only).split())) + "\n")
-    return "".join(lines)
+def format_exception_here(exc, last_line=None):
+    return format_exception(exc, [main.__code__.co_filename], last_line)
 
 
 def register(source, name):
@@ -156,15 +98,15 @@ def run_cell(ns, source, name):
                 capture.write(repr(value) + "\n")
     except MemoryError as exc:
         ok, fatal = False, "memory limit"
-        error = format_exception(exc, "MemoryError: memory limit of %d MB exceeded" % C["memory_mb"])
+        error = format_exception_here(exc, "MemoryError: memory limit of %d MB exceeded" % C["memory_mb"])
     except CPUTimeExceeded as exc:
         ok, fatal = False, "cpu time limit"
-        error = format_exception(exc, "TimeoutError: CPU time limit of %g s exceeded" % C["cpu_time_s"])
+        error = format_exception_here(exc, "TimeoutError: CPU time limit of %g s exceeded" % C["cpu_time_s"])
     except SystemExit as exc:
         ok = exc.code in (None, 0)
         error = "SystemExit: %s\n" % (exc.code,)
     except BaseException as exc:
-        ok, error = False, format_exception(exc)
+        ok, error = False, format_exception_here(exc)
     sys.stdout = sys.stderr = open(os.devnull, "w")
     text = capture.text()
     try:
@@ -324,4 +266,11 @@ def build_driver(cells: list[str], numbers: list[int], **config) -> str:
         **config: `timeout_s`, `cpu_time_s`, `memory_mb`, `max_file_size_mb`, `max_output_chars` and `show`.
     """
     payload = dict(config, cells=cells, numbers=numbers, report_bytes=REPORT_BYTES)
-    return _DRIVER.replace("@PAYLOAD@", base64.b64encode(json.dumps(payload).encode()).decode())
+    driver = _DRIVER.replace("@CELL_IO@", _cell_io_source())
+    return driver.replace("@PAYLOAD@", base64.b64encode(json.dumps(payload).encode()).decode())
+
+
+@functools.cache
+def _cell_io_source() -> str:
+    """`cell_io.py` as spliced into the driver: the same capture and tracebacks as a local session's."""
+    return (Path(__file__).parent / "cell_io.py").read_text()

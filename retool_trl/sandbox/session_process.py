@@ -20,9 +20,8 @@ import struct
 import sys
 import threading
 import time
-import traceback
-from collections import deque
 
+from cell_io import Capture, format_exception  # a sibling script module, shared with the remote backend
 from jail_setup import (  # a sibling script module (worker.py puts this directory on sys.path for its imports)
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
@@ -37,6 +36,7 @@ HEADER = struct.Struct("!I")
 REQUEST_FD, STATUS_FD, READY_FD = 3, 4, 5
 _BACKGROUND_NICE = 10
 _THIS_FILE = os.path.abspath(__file__)
+_CELL_IO_FILE = os.path.abspath(sys.modules[Capture.__module__].__file__)
 
 
 def frame(obj):
@@ -58,81 +58,8 @@ def read_exact(fd, n):
 # ------------------------------------------------------------------------------------------------- session process
 
 
-class _Capture:
-    """A stdout/stderr replacement that keeps only the first and last `limit` characters (and counts the rest)."""
-
-    encoding = "utf-8"
-    errors = "replace"
-
-    def __init__(self, limit):
-        self.limit = limit
-        self.head = []
-        self.head_len = 0
-        self.tail = deque()
-        self.tail_len = 0
-        self.total = 0
-        self.buffer = self  # `sys.stdout.buffer.write(b"...")` works too
-
-    def write(self, text):
-        if isinstance(text, (bytes, bytearray)):
-            text = bytes(text).decode("utf-8", "replace")
-        elif not isinstance(text, str):
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        n = len(text)
-        if not n:
-            return 0
-        self.total += n
-        if self.head_len < self.limit:
-            piece = text[: self.limit - self.head_len]
-            self.head.append(piece)
-            self.head_len += len(piece)
-        self.tail.append(text)
-        self.tail_len += n
-        while self.tail_len - len(self.tail[0]) >= self.limit:
-            self.tail_len -= len(self.tail.popleft())
-        return n
-
-    def writelines(self, lines):
-        for line in lines:
-            self.write(line)
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
-
-    def fileno(self):
-        return 1  # native writers (and subprocesses) land in the fd-level capture
-
-    def writable(self):
-        return True
-
-    def readable(self):
-        return False
-
-    @property
-    def closed(self):
-        return False
-
-    def texts(self):
-        tail = "".join(self.tail)
-        return "".join(self.head), tail[len(tail) - self.limit :] if len(tail) > self.limit else tail, self.total
-
-
 def _format_exception(exc, last_line=None):
-    """A short, notebook-like traceback: cell frames (and the last library frames), no frames of this worker."""
-    te = traceback.TracebackException.from_exception(exc)
-    frames = [] if isinstance(exc, SyntaxError) else [f for f in te.stack if os.path.abspath(f.filename) != _THIS_FILE]
-    lines = ["Traceback (most recent call last):\n", *traceback.StackSummary.from_list(frames[-5:]).format()]
-    lines = lines if frames else []
-    only = list(te.format_exception_only())
-    if last_line is None and isinstance(exc, SyntaxError):
-        lines += only  # file/line/caret lines, then "SyntaxError: ..." last
-    else:
-        # One final line, whatever the message: the model (and the tests) read the last line as "what happened".
-        lines.append((last_line or " ".join("".join(only).split())) + "\n")
-    return "".join(lines)
+    return format_exception(exc, (_THIS_FILE, _CELL_IO_FILE), last_line)
 
 
 def _kill_leftover_threads(budget_s=0.25):
@@ -208,7 +135,7 @@ class _Cell:
         self.count += 1
         filename = f"<cell-{self.count}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        capture = _Capture(self.config["max_output_chars"])
+        capture = Capture(self.config["max_output_chars"])
         sys.stdout = sys.stderr = capture
         error, fatal, ok = None, None, True
         try:
