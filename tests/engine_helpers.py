@@ -113,3 +113,18 @@ class VLLMServer:
                 os.killpg(self.process.pid, 9)
                 self.process.wait(timeout=30)
         self._log.close()
+
+
+def assert_same_rollout(ours, barrier, snippet_timeout: bool) -> None:
+    """The async rollout `ours` equals the barrier loop's `barrier` (greedy): ids, masks, reward kwargs, log-probs;
+    the workload really called code, and timed out exactly when `snippet_timeout`."""
+    import torch
+
+    assert sum(barrier.num_tool_calls) > 0
+    assert (sum(barrier.num_tool_timeouts) > 0) == snippet_timeout
+    assert not any(ours.infra_failed)
+    assert ours.completion_ids == barrier.completion_ids
+    assert ours.interpreter_mask == barrier.interpreter_mask
+    assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
+    for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)

@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 import torch  # noqa: E402
 from engine_helpers import (  # noqa: E402
     VLLMServer,
+    assert_same_rollout,
     engine_config,
     greedy_generation_config,
     quickstart_dataset,
@@ -121,14 +122,7 @@ def test_colocate_async_rollout_equals_barrier(colocate_trainer, tokenizer, snip
         box = SleepsFirst(inner) if snippet_timeout else inner
         barrier = greedy_vllm_rollout(helper, tokenizer, box, prompts, spec)
         ours = greedy_colocate_async(helper, tokenizer, box, prompts, spec)
-    assert sum(barrier.num_tool_calls) > 0
-    assert (sum(barrier.num_tool_timeouts) > 0) == snippet_timeout
-    assert not any(ours.infra_failed)
-    assert ours.completion_ids == barrier.completion_ids
-    assert ours.interpreter_mask == barrier.interpreter_mask
-    assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
-    for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    assert_same_rollout(ours, barrier, snippet_timeout)
     assert ours.engine_calls[0] == sum(ours.num_turns)  # one request per turn of each completion
     assert not helper.llm.llm_engine.has_unfinished_requests()
 
@@ -288,14 +282,7 @@ def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet
         box = SleepsFirst(inner) if snippet_timeout else inner
         barrier = greedy_vllm_rollout(server_trainer.vllm_generation, tokenizer, box, prompts, spec)
         ours = async_rollout(prompts, greedy_engine(server, tokenizer), box, tokenizer, spec, max_concurrency=8)
-    assert sum(barrier.num_tool_calls) > 0
-    assert (sum(barrier.num_tool_timeouts) > 0) == snippet_timeout
-    assert not any(ours.infra_failed)
-    assert ours.completion_ids == barrier.completion_ids
-    assert ours.interpreter_mask == barrier.interpreter_mask
-    assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
-    for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+    assert_same_rollout(ours, barrier, snippet_timeout)
 
 
 def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer):
