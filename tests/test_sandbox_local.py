@@ -410,3 +410,16 @@ def test_calls_do_not_wake_the_zygote():
         woken = zygote.num_ctx_switches().voluntary - before
         assert session.run("print(x)").output == "50\n"
         assert woken < 10, f"the zygote woke {woken} times during 50 calls"
+
+
+@pytest.mark.parametrize("extra", [1, 900, 3900, 4900])
+def test_the_elided_count_is_what_was_left_out(sandbox, extra):
+    """Shown characters plus the marker's count are exactly what the cell printed, also when the output is between
+    one and two output bounds (the kept head and tail then overlap)."""
+    import re
+
+    printed = sandbox.max_output_chars + extra  # 'x' * (printed - 1) and the newline
+    out = sandbox.session().run(f"print('x' * {printed - 1})").output
+    match = re.search(r"\n\.\.\. \[(\d+) characters elided\] \.\.\.\n", out)
+    assert match, out[:200]
+    assert len(out) - len(match.group(0)) + int(match.group(1)) == printed

@@ -73,9 +73,11 @@ class Capture:
         return "".join(self.head), tail[len(tail) - self.limit :] if len(tail) > self.limit else tail, self.total
 
     def text(self):
-        """Everything written when it fits in the head, else the head followed by the tail."""
+        """What the cell wrote when it fits in head and tail (`total` characters), else the head, then the tail; the
+        characters between them (`total - len(text)`) are the ones elided."""
         head, tail, total = self.texts()
-        return head if total <= len(head) else head + tail
+        overlap = len(head) + len(tail) - total
+        return head + tail[overlap:] if overlap > 0 else head + tail
 
 
 def format_exception(exc, own_files, last_line=None):

@@ -168,13 +168,12 @@ class _Cell:
         if survivors:
             ok, fatal = False, "background thread"
             error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
-        head, tail, total = capture.texts()
-        text = head if total <= len(head) else head + tail
+        text = capture.text()
         try:
             os.write(1, text.encode("utf-8", "replace"))
         except OSError:
             pass  # the native output already reached the file size limit
-        return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, total - len(text))}
+        return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, capture.total - len(text))}
 
 
 # Plain ints and the C function: `signal.pthread_sigmask` turns every result into enum members (30x slower).
