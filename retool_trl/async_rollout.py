@@ -64,7 +64,7 @@ def async_rollout(
     rows = [_Row(list(ids)) for ids in prompt_ids]
     exec_seconds: list[float] = []
     have_logprobs, engine_calls = [True], [0]
-    reserve_sessions(sandbox, len(rows))
+    reserve_sessions(sandbox, len(rows), spec)
     try:
         _run_coroutine(
             _run_all(

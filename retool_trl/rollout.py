@@ -171,7 +171,7 @@ def interleaved_rollout(
     exec_seconds: list[float] = []
     have_logprobs = True
     turn_calls = 0
-    reserve_sessions(sandbox, len(rows))
+    reserve_sessions(sandbox, len(rows), spec)
     try:
         active = list(range(len(rows)))
         # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
@@ -270,11 +270,12 @@ def interpreter_blocks(tokenizer, outputs: list[str], spec: RolloutSpec) -> list
     return [[*start, *body, *end] for body in encoded]
 
 
-def reserve_sessions(sandbox, n: int) -> None:
+def reserve_sessions(sandbox, n: int, spec: RolloutSpec) -> None:
     """Lets the sandbox prepare `n` sessions while the model generates their first turn (`reserve`, where the
-    backend has one: a local sandbox forks jails in the background)."""
+    backend has one: a local sandbox forks jails in the background). Nothing when no code can run
+    (`max_tool_calls=0`, a text-only run)."""
     reserve = getattr(sandbox, "reserve", None)
-    if callable(reserve):
+    if callable(reserve) and spec.max_tool_calls > 0:
         reserve(n)
 
 

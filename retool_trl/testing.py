@@ -85,6 +85,7 @@ class FakeSandbox:
     def __init__(self, outputs: dict[str, str] | None = None):
         self.outputs = outputs or {}  # code -> forced output (else the code is really executed)
         self.batches: list[int] = []
+        self.reserved: list[int] = []  # what the rollout asked `reserve` for
         self.sessions = []
 
     class _Session:
@@ -96,6 +97,9 @@ class FakeSandbox:
 
         def close(self):
             self.closed = True
+
+    def reserve(self, n):
+        self.reserved.append(n)
 
     def session(self):
         self.sessions.append(self._Session(self))

@@ -162,3 +162,31 @@ def test_random_scripts_keep_invariants(tokenizer, seed):
         max_len = rng.randint(5, 300)
     result, _, _ = run(tokenizer, scripts, max_len=max_len, max_tool_calls=rng.randint(0, 3))
     assert_rollout_invariants(result, tokenizer, scripts, max_len)
+
+
+def test_the_rollout_reserves_sessions_only_when_code_can_run():
+    """A GRPO step reserves its batch of sessions before the first turn; a text-only run (max_tool_calls=0) starts
+    no sandbox at all."""
+    from retool_trl.sandbox import RemoteSandbox
+    from retool_trl.sandbox.cell_limits import CellLimits
+
+    tokenizer = make_char_tokenizer()
+    scripts = ["<code>print(1)</code>\\boxed{1}", "\\boxed{2}"]
+    prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"]] * 2
+    for calls, expected in ((2, [2]), (0, [])):
+        sandbox = FakeSandbox()
+        spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=calls)
+        interleaved_rollout(prompts, ScriptedBackend(tokenizer, scripts), CellLimits(sandbox, 16), tokenizer, spec)
+        assert sandbox.reserved == expected
+    RemoteSandbox("http://127.0.0.1:9").reserve(4)  # part of the interface: nothing to prepare remotely
+
+
+def test_cell_limits_is_an_ordinary_object():
+    """copy and pickle build the wrapper without running __init__: attribute look-ups must not recurse or KeyError."""
+    import copy
+
+    from retool_trl.sandbox.cell_limits import CellLimits
+
+    wrapped = copy.copy(CellLimits(FakeSandbox(), 10))
+    assert wrapped.max_cell_chars == 10 and wrapped.run_many([]) == []
+    assert not hasattr(CellLimits.__new__(CellLimits), "num_workers")

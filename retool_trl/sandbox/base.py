@@ -71,6 +71,9 @@ class Sandbox(Protocol):
 
     def run_many(self, pairs: Iterable[tuple[Session, str]]) -> list[ExecResult]: ...
 
+    def reserve(self, n: int) -> None:
+        """Prepares `n` sessions ahead of demand and returns at once (a no-op where nothing can be prepared)."""
+
     def close(self) -> None: ...
 
 

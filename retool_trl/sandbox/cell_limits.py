@@ -41,8 +41,16 @@ class CellLimits:
         self.errors = errors
 
     def __getattr__(self, name):
-        # Only reached for attributes this wrapper lacks (`reserve`, `num_workers`, ...).
+        # Only reached for attributes this wrapper lacks (`num_workers`, ...); not during copying or unpickling,
+        # before `sandbox` is set.
+        if "sandbox" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["sandbox"], name)
+
+    def reserve(self, n: int) -> None:
+        reserve = getattr(self.sandbox, "reserve", None)
+        if callable(reserve):
+            reserve(n)
 
     def session(self):
         return self.sandbox.session()

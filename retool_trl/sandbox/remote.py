@@ -194,6 +194,10 @@ class RemoteSandbox:
 
     # ------------------------------------------------------------------------------------------------- running
 
+    def reserve(self, n: int) -> None:
+        """Nothing to prepare: a remote session is only a list of cells until its first call (the sandbox
+        interface's `reserve`, a no-op here)."""
+
     def session(self) -> RemoteSession:
         """A new, empty session."""
         if self._closed:
