@@ -394,3 +394,16 @@ def test_same_cells_same_results_as_local(server, name):
                 ours.infra_error,
             ), cell
             assert b.broken == a.broken, cell
+
+
+def test_a_cell_that_kills_itself_is_not_the_sandboxs_failure(server):
+    """Reward hacking: a cell that SIGKILLs its own process must not look like an outage, or the completion would
+    be left unscored (no -1) every time the policy writes a wrong answer followed by that cell."""
+    from retool_trl.rollout import _Row, run_cells
+
+    with RemoteSandbox(server.url, timeout_s=5.0) as sb:
+        r = sb.session().run("print('wrong')\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+        assert not r.ok and not r.infra_error, r
+        row = _Row(prompt_ids=[1])
+        (result,) = run_cells(sb, [(row, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")])
+        assert not result.infra_error and not row.infra_failed and row.infra_errors == 0

@@ -392,7 +392,10 @@ def _crash_line(crash: dict, cpu_time_s: float) -> tuple[str, bool, bool]:
         sig = int(crash["signal"])
         if sig == signal.SIGXCPU:
             return f"TimeoutError: CPU time limit of {cpu_time_s:g} s exceeded", True, False
-        if sig == signal.SIGKILL:  # not a limit of the cell's: an operator or the machine's OOM killer
-            return "SystemError: the interpreter process was killed from outside (SIGKILL)", False, True
+        if sig == signal.SIGKILL:
+            # The cell can send it to itself (the service gives it no pid namespace of its own), so it is the cell's
+            # crash: were it the sandbox's failure, a snippet could leave its completion unscored (no -1) at will.
+            # An outside kill (the service machine's OOM killer) reads the same and is scored like the cell's.
+            return "SystemError: the interpreter process was killed (SIGKILL)", False, False
         return signal_death_line(sig), False, False
     return f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}", False, False

@@ -65,6 +65,12 @@ class CallResults:
         output = cut_output(head, tail, total, limit - keep_error)
         return output + cut_output(error, error, len(error), keep_error, "tail")
 
+    def _sessions_are_pid_one(self) -> bool:
+        """Whether each session's interpreter is pid 1 of its own pid namespace (a jail), where no process of the
+        session can send it SIGKILL: only then is a SIGKILL someone else's doing."""
+        zygote = getattr(self, "_zygote", None)
+        return bool(zygote is not None and getattr(zygote, "jail", False))
+
     def result_of_cpu_limit(self, session, duration: float) -> ExecResult:
         """The jail's processes together used more CPU than a call may: the session is killed and broken."""
         self._kill(session)
@@ -102,7 +108,11 @@ class CallResults:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
             elif sig == signal.SIGKILL and crash.get("oom"):
                 line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
-            elif sig == signal.SIGKILL:  # not the session's own limits: the OOM killer or an operator
+            elif sig == signal.SIGKILL and not self._sessions_are_pid_one():
+                # Without a pid namespace of its own the cell can SIGKILL its interpreter itself: were that the
+                # sandbox's failure, a snippet could leave its completion unscored (no -1) at will.
+                line = "SystemError: the interpreter process was killed (SIGKILL)"
+            elif sig == signal.SIGKILL:  # pid 1 of its own namespace, which nothing inside can SIGKILL: from outside
                 line, infra = "SystemError: the interpreter process was killed from outside (SIGKILL)", True
             else:
                 line = signal_death_line(sig)
