@@ -1,9 +1,9 @@
 """Model and dataset names, resolved offline before anything asks the Hugging Face Hub.
 
 A name is one of: an alias shipped with the package (`quickstart`, `dapo_math`, `gsm8k`, ...), a local path, or a
-hub id `org/name`. What cannot be any of those fails at once with one line, instead of after a minute of hub retries
-(`huggingface_hub` retries an unreachable hub 5 times): a near miss of an alias gets "did you mean", a path that
-does not exist is named, and a bare word that is neither an alias nor a local file is not taken for a hub id.
+hub id (`org/name`, or a legacy one without an organisation such as `gpt2`). What cannot be any of those fails at
+once with one line, instead of after a minute of hub retries (`huggingface_hub` retries an unreachable hub 5 times):
+a near miss of an alias gets "did you mean", and a path that does not exist is named.
 
 A leaf module (no torch, no TRL): the command line checks every name here before it loads anything.
 """
@@ -86,10 +86,12 @@ def check_hub_id(
     close = _near(name, known)
     if close:
         raise error(f"unknown {what} {name!r}: did you mean {close!r}? Check {option}.")
-    raise error(
-        f"{what} {name!r} is not a local file or folder, a known name{listed}, or a hub id of the form 'org/name'; "
-        f"check {option} (write a local folder as ./{name})."
-    )
+    if not re.match(r"^[A-Za-z0-9][\w.-]*$", name):
+        raise error(
+            f"{what} {name!r} is not a local file or folder, a known name{listed}, or a hub id; check {option} "
+            f"(write a local folder as ./{name})."
+        )
+    # A bare word: a hub id without an organisation (`gpt2`, `distilgpt2`), which transformers and TRL accept.
 
 
 def resolve_model(name: str | None, option: str = "model_name_or_path") -> str:

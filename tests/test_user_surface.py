@@ -123,7 +123,10 @@ def one_error_line(capsys, argv) -> str:
         ({"dataset_name": "dapo-mat"}, ["did you mean 'dapo_math'?"]),
         ({"dataset_name": "./no/problems.jsonl"}, ["'./no/problems.jsonl' does not exist"]),
         ({"model_name_or_path": "quickstrt"}, ["unknown model 'quickstrt'", "did you mean 'quickstart'?"]),
-        ({"model_name_or_path": "no_such_model"}, ["'no_such_model' is not a local file or folder", "'org/name'"]),
+        (
+            {"model_name_or_path": "no such model"},
+            ["'no such model' is not a local file or folder", "./no such model"],
+        ),
         ({"model_name_or_path": "runs/x/model"}, ["model folder 'runs/x/model' does not exist"]),
     ],
 )
@@ -239,3 +242,13 @@ def test_help_into_a_closed_pipe_is_quiet():
     process.stdout.close()  # the reader is gone before the help is written: every write fails
     err = process.stderr.read()
     assert process.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
+def test_legacy_hub_ids_without_an_organisation_are_accepted():
+    """`gpt2`, `distilgpt2`: hub ids transformers and TRL accept; only near misses of shipped names are refused."""
+    from retool_trl.errors import UserError
+    from retool_trl.names import resolve_model
+
+    assert resolve_model("gpt2") == "gpt2" and resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    with pytest.raises(UserError, match="did you mean 'quickstart'"):
+        resolve_model("quickstrt")
