@@ -110,6 +110,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
 
     def __post_init__(self):
         self._validate_retool_fields()
+        self._check_json_fields()
         # TRL defaults `bf16` to True, which transformers refuses on a machine without a bf16 GPU: left unset, it
         # follows the hardware, so `ReToolConfig(...)` works on CPU as written (an explicit `bf16=True` still fails).
         if self.bf16 is None and not self.fp16 and not _bf16_supported():
@@ -122,6 +123,22 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         # After TrainingArguments has parsed the JSON form (`--generation_kwargs '{"num_beams": 4}'` on the command
         # line), so both forms are checked.
         self._validate_generation_kwargs()
+
+    def _check_json_fields(self) -> None:
+        # TrainingArguments parses these from JSON strings (the command-line form) and would raise a bare
+        # JSONDecodeError that names no option.
+        import json
+
+        for name in self._VALID_DICT_FIELDS:
+            value = getattr(self, name, None)
+            if isinstance(value, str) and value.strip().startswith("{"):
+                try:
+                    json.loads(value)
+                except ValueError as error:
+                    raise ValueError(
+                        f"ReToolConfig.{name} is not valid JSON ({error}): write it as an object with double-quoted "
+                        f"keys, e.g. '{{\"top_k\": 20}}'."
+                    ) from None
 
     def _validate_generation_kwargs(self) -> None:
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):

@@ -46,10 +46,13 @@ def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
     Args:
         tokenizer: The model's tokenizer (with the chat template used in training).
         prompts: Plain strings or conversations (lists of messages).
-        args: A `ReToolConfig` (system prompt, `chat_template_kwargs`).
+        args: A `ReToolConfig` (system prompt, `chat_template_kwargs`); a string (or `None`) is taken as the system
+            prompt alone, as earlier versions of this function took it.
     """
     from types import SimpleNamespace
 
+    if args is None or isinstance(args, str):
+        args = SimpleNamespace(resolved_system_prompt=args, chat_template_kwargs=None)
     from trl import GRPOTrainer
 
     # The attributes `_tokenize_prompts` reads, as a text-only GRPOTrainer without tools or environments sets them.

@@ -180,6 +180,8 @@ def test_generation_kwargs_from_the_command_line_are_checked_too(tmp_path):
     with pytest.raises(ValueError, match="generation_kwargs must be a mapping .* or a JSON object"):
         ReToolConfig(**base, generation_kwargs="top_k=20")
     assert ReToolConfig(**base, generation_kwargs='{"top_k": 20}').generation_kwargs == {"top_k": 20}
+    with pytest.raises(ValueError, match=r"ReToolConfig.generation_kwargs is not valid JSON"):
+        ReToolConfig(**base, generation_kwargs="{bad")
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,10 @@ def test_a_chat_template_path_without_a_template_is_one_clear_error(tmp_path):
     make_char_tokenizer().save_pretrained(model_dir)
     with pytest.raises(UserError, match="chat_template_path .* gives no chat template"):
         load_tokenizer(str(model_dir), chat_template_path=str(model_dir))
+
+
+def test_a_system_prompt_string_still_works_as_the_third_argument():
+    tokenizer = chat_tokenizer()
+    ids = tokenize_prompts(tokenizer, CONVERSATIONS[:1], "Use code.")
+    assert tokenizer.decode(ids[0]).startswith("<system>Use code.\n<user>")
+    assert tokenize_prompts(tokenizer, TEXTS, None) == [tokenizer(t)["input_ids"] for t in TEXTS]

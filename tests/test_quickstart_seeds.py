@@ -20,7 +20,7 @@ def test_parse_seeds(text, seeds):
     assert parse_seeds(text) == seeds
 
 
-@pytest.mark.parametrize("text", ["", "a-b", "0-", "1,1", "-1"])
+@pytest.mark.parametrize("text", ["", "a-b", "0-", "1,1", "-1", "3-1", "0-1,5-3"])
 def test_bad_seeds_are_one_clear_error(text):
     with pytest.raises(ValueError, match="--seeds"):
         parse_seeds(text)

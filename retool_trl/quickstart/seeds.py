@@ -40,7 +40,10 @@ def parse_seeds(text: str) -> list[int]:
     try:
         for part in str(text).split(","):
             first, dash, last = part.strip().partition("-")
-            seeds.extend(range(int(first), int(last if dash else first) + 1))
+            first, last = int(first), int(last if dash else first)
+            if last < first:
+                raise ValueError
+            seeds.extend(range(first, last + 1))
     except ValueError:
         raise ValueError(f"--seeds {text!r} is not a list of seeds: write e.g. 0-4 or 0,2,7.") from None
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
