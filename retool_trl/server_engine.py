@@ -174,7 +174,7 @@ class CompletionsEngine:
         try:
             # On timeout the future is cancelled: its stream stops waiting for it (and is closed once nobody waits).
             token_ids, logprobs = await asyncio.wait_for(turn.future, self.timeout_s)
-        except TimeoutError as exc:
+        except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before Python 3.11
             raise EngineTimeoutError(f"the turn took longer than {self.timeout_s} s") from exc
         return finish_turn(
             token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens
