@@ -115,47 +115,57 @@ class Server:
 
 
 # ----------------------------------------------------------------------------------------------------- the workload
-def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool = True):
-    """Per completion: a prompt, its forced turns, and latencies for its calls (2-4 calls per completion, or `calls`
-    each).
+def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool = True, kinds: int = 6):
+    """Per completion: a prompt, its forced turns, and the latencies of its calls.
 
-    A completion's code turns are one text, repeated (0-6 sentences of prose, then `<code>work()</code>`), and its
-    last turn is the answer (0-3 sentences): so completions that write the same text share its regex. That matters
-    twice: vLLM compiles each regex once and caches it (compiling is engine time that is not the rollout's), and the
-    server engine coalesces only requests with the same sampling fields (in training all completions share them; the
-    forcing regex is this benchmark's artefact). The sandbox side (`Latencies`) turns the k-th `work()` of a session
-    into a cell that really sleeps a latency. Without prose (the comparison with TRL's loop), a code turn has a fixed
-    sentence before its cell, about as long as the tool call TRL's loop is forced to write (`TOOL_CALL`), and the
-    answer is short."""
+    Completions come in `kinds` kinds (without prose, one): a kind fixes the text, i.e. how many calls (2-4, or
+    `calls`), the prose before each cell (0-6 sentences), the cell `<code>work(kind)</code>` and the answer (0-3
+    sentences); its completions differ by prompt and by the latencies of their calls (long-tailed: most a few ms,
+    some 100-300 ms). Completions of a kind share their regexes, which matters twice: vLLM compiles each regex once
+    and caches it (compiling is engine time that is not the rollout's), and the server engine coalesces only
+    requests with the same sampling fields (in training every completion has the same; the forcing regex is this
+    benchmark's artefact, so it coalesces less than training would). The sandbox side (`Latencies`) turns each
+    `work(kind)` into a cell that really sleeps. Without prose (the comparison with TRL's loop), a code turn has a
+    fixed sentence before its cell, about as long as the tool call TRL's loop is forced to write (`TOOL_CALL`), and
+    the answer is short."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(batch):
-        n_calls = calls or CALLS[i % len(CALLS)]
-        latencies = [
-            rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01)
-            for _ in range(calls or max(CALLS))
-        ]
-        cell = "<code>work()</code>"
+    texts = []
+    for kind in range(1 if not prose else min(kinds, batch)):
+        n_calls = calls or CALLS[kind % len(CALLS)]
+        cell = f"<code>work({kind})</code>"
         if prose:
             code_turn = "Let me check this part " * rng.randint(0, 6) + cell
         else:
             code_turn = "I call the tool for this piece now, to see." + cell  # about as long as TOOL_CALL
-        # The last turn: an answer of varying length, which the regex ends with EOS.
         extra = rng.randint(0, 3) if prose else 0
+        # The last turn: an answer, which the regex ends with EOS.
         answer = "So " + "the checks agree and " * extra + f"the answer is \\boxed{{{extra}}}."
-        rows.append({"prompt": f"Problem {i:03d}:", "turns": [code_turn] * n_calls + [answer], "latencies": latencies})
+        texts.append([code_turn] * n_calls + [answer])
+    rows = []
+    for i in range(batch):
+        kind = i % len(texts)
+        latencies = [
+            rng.uniform(0.1, 0.3) if rng.random() < 0.15 else rng.uniform(0.002, 0.01)
+            for _ in range(len(texts[kind]) - 1)
+        ]
+        rows.append({"prompt": f"Problem {i:03d}:", "turns": texts[kind], "latencies": latencies, "kind": kind})
     return rows
 
 
 class Latencies:
-    """The real sandbox, with the k-th `work()` of the s-th session to run its first cell turned into a cell that
-    sleeps `workload[s]["latencies"][k]` and prints k. (The cell text is shared by completions, so the latencies go by
-    session; the same latencies in every mode, given to the sessions in the order they start.)"""
+    """The real sandbox, with `work(kind)` run as a cell that sleeps a latency and prints the call's number k.
+
+    The k-th call of a session sleeps the k-th latency of a completion of that kind: the n-th session of a kind to
+    run a cell gets the n-th completion of that kind. Completions of a kind write the same text, so however the
+    sessions are ordered, every mode gets the same completions with the same latencies."""
 
     def __init__(self, inner, workload):
-        self.inner, self.workload = inner, workload
-        self.calls: dict = {}
-        self.slots: dict = {}
+        self.inner = inner
+        self.of_kind: dict = {}
+        for row in workload:
+            self.of_kind.setdefault(row["kind"], []).append(row["latencies"])
+        self.started = dict.fromkeys(self.of_kind, 0)  # sessions of each kind so far
+        self.sessions: dict = {}  # id(session) -> [latencies, calls so far]
         self.lock = threading.Lock()
 
     def session(self):
@@ -164,12 +174,14 @@ class Latencies:
     def run_many(self, pairs):
         cells = []
         for session, code in pairs:
-            assert code.strip() == "work()", code
+            kind = int(re.fullmatch(r"work\((\d+)\)", code.strip()).group(1))
             with self.lock:
-                slot = self.slots.setdefault(id(session), len(self.slots))
-                k = self.calls[id(session)] = self.calls.get(id(session), -1) + 1
-            latency = self.workload[slot]["latencies"][k]
-            cells.append((session, f"import time\ntime.sleep({latency:.4f})\nprint({k})"))
+                if id(session) not in self.sessions:
+                    self.sessions[id(session)] = [self.of_kind[kind][self.started[kind]], 0]
+                    self.started[kind] += 1
+                latencies, k = self.sessions[id(session)]
+                self.sessions[id(session)][1] += 1
+            cells.append((session, f"import time\ntime.sleep({latencies[k]:.4f})\nprint({k})"))
         return self.inner.run_many(cells)
 
 

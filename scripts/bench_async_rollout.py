@@ -166,7 +166,7 @@ def same_outputs(results) -> bool:
     )
 
 
-def engine_summary(prefix, results, seconds, client_cpu) -> dict:
+def engine_summary(prefix, results, seconds, client_cpu, workload) -> dict:
     """Per-run ratios (one per alternated round): barrier/async and async/floor, median and min-max, with the wall
     times."""
     ratio = spread([b / a for b, a in zip(seconds["barrier"], seconds["async"], strict=True)])
@@ -191,7 +191,8 @@ def engine_summary(prefix, results, seconds, client_cpu) -> dict:
         f"{prefix}calls": sum(ours.num_tool_calls),
         f"{prefix}tokens": sum(len(ids) for ids in ours.completion_ids),
         f"{prefix}sampled_tokens": sum(results["floor"]),
-        f"{prefix}snippet_seconds_total": sum(ours.exec_seconds),
+        f"{prefix}snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
+        f"{prefix}snippet_exec_seconds_total": sum(ours.exec_seconds),
     }
     return summary, {"async_vs_barrier": ratio, "async_vs_floor": floor}, {m: spread(v) for m, v in seconds.items()}
 
@@ -319,7 +320,7 @@ def main():
             server = Server(model_dir, Path(tempfile.gettempdir()) / "retool_bench_async_vllm.log")
             try:
                 results, seconds, cpu = retool_modes(server.url, tokenizer, workload, args.max_len, args.runs)
-                part, ratio, walls = engine_summary("", results, seconds, cpu)
+                part, ratio, walls = engine_summary("", results, seconds, cpu, workload)
                 summary.update(part)
                 print_engine("vLLM server", ratio, walls)
                 if not args.skip_trl:
@@ -340,7 +341,7 @@ def main():
                 results, seconds, cpu = retool_modes(helper, tokenizer, workload, args.max_len, args.runs)
             finally:
                 helper.llm.llm_engine.engine_core.shutdown()  # its engine-core process, or the exit waits on it
-            part, ratio, walls = engine_summary("colocate_", results, seconds, cpu)
+            part, ratio, walls = engine_summary("colocate_", results, seconds, cpu, workload)
             summary.update(part)
             print_engine("vLLM colocated (request-level API)", ratio, walls)
     if "same_outputs" in summary or "colocate_same_outputs" in summary:
