@@ -4,9 +4,9 @@ The barrier loop (`retool_trl.rollout.interleaved_rollout`) waits, at every turn
 and the slowest snippet. Here each completion is a coroutine: it asks the engine for its next turn, runs its own
 snippet when the turn ends at the code-end tag, and asks again as soon as that snippet returns, while the others keep
 generating. A continuously batching engine packs the requests in flight into its batches, so neither a long turn nor
-a slow snippet holds anyone else back. Two engines: vLLM's server (`retool_trl.server_engine.CompletionsEngine`, one
-HTTP request per turn) and the colocated engine of TRL's own `LLM`, driven request by request
-(`retool_trl.colocate_engine.ColocateEngine`).
+a slow snippet holds anyone else back. Two engines: vLLM's server (`retool_trl.server_engine.CompletionsEngine`: the
+turns ready at once go in one streamed HTTP request) and the colocated engine of TRL's own `LLM`, driven request by
+request (`retool_trl.colocate_engine.ColocateEngine`).
 
 The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, retries, reward kwargs) is the barrier
 loop's own (`_Row.take_turn`, `run_cells`, `interpreter_blocks`, `rollout_result`), so both modes give the same
@@ -64,6 +64,7 @@ def async_rollout(
     rows = [_Row(list(ids)) for ids in prompt_ids]
     exec_seconds: list[float] = []
     have_logprobs, engine_calls = [True], [0]
+    requests_before = getattr(engine, "requests", None)
     reserve_sessions(sandbox, len(rows), spec)
     try:
         _run_coroutine(
@@ -75,6 +76,8 @@ def async_rollout(
         for row in rows:
             if row.session is not None:
                 row.session.close()
+    if requests_before is not None:  # engines that count their requests (several turns may share one)
+        engine_calls[0] = engine.requests - requests_before
     return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs[0], engine_calls[0])
 
 
@@ -91,7 +94,7 @@ async def _run_all(
         async with limit:
             while not row.done:
                 budget = spec.max_completion_length - len(row.completion_ids)
-                engine_calls[0] += 1  # one request per turn of each completion
+                engine_calls[0] += 1  # one turn of one completion
                 try:
                     out = await engine.generate(
                         row.prompt_ids + row.completion_ids, budget, row.calls < spec.max_tool_calls

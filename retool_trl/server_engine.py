@@ -1,24 +1,67 @@
-"""The async rollout's engine in vLLM server mode: one `/v1/completions` request per turn of each completion."""
+"""The async rollout's engine in vLLM server mode: `/v1/completions` requests that carry every turn ready at once.
+
+Each HTTP request costs the server (parsing, validation, scheduling) and the client (a connection, JSON) the same
+whatever it carries, so one request per turn of each completion spends much of what the async rollout gains. Here the
+turns that become ready at the same moment go to the server together, as one request with a list of token-id prompts,
+and each sequence's turn is taken as soon as it finishes, from the streamed reply (vLLM streams every prompt's choice
+with its own `index`). At most one request is being opened at a time: the turns that become ready meanwhile go in the
+next one, so the batches grow with the per-request cost instead of waiting on a timer.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import httpx
 
 from .turns import EngineError, EngineRequestError, EngineTimeoutError, finish_turn, turn_stops, user_stops
 from .types import TurnOutput
 
+# Streamed chunks per sequence: the first token and the finished turn (vLLM sends both at once whatever the interval;
+# servers without `stream_interval` ignore the field and stream every token, which is read the same way).
+STREAM_INTERVAL = 1 << 20
+
+
+@dataclass
+class _Turn:
+    """One sequence's turn, waiting for its request to be sent and its choice to finish."""
+
+    prompt: list[int]
+    max_tokens: int
+    stop_at_code_end: bool
+    fields: dict
+    future: asyncio.Future
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+
+    def group(self) -> tuple:
+        """Turns of one request share their sampling fields and stop strings; their token budgets differ (one per
+        request: the largest, each turn cut to its own), but by less than a factor of 2, so that a turn that runs to
+        its budget decodes at most as many tokens again for nothing."""
+        return (
+            self.stop_at_code_end,
+            json.dumps(self.fields, sort_keys=True, default=str),
+            self.max_tokens.bit_length(),
+        )
+
 
 class CompletionsEngine:
     """Turns from an OpenAI-compatible `/v1/completions` server that takes and returns token ids (vLLM's server, as
     started by `trl vllm-serve` or `vllm serve`).
 
-    Each request carries one sequence as token ids and the sampling settings TRL uses in server mode; the reply's
-    token ids are kept whole (a stop inside a token keeps that token, anything after it is cut), with their sampling
-    log-probabilities. Connection failures are retried by httpx's transport; what still fails raises `EngineError`.
+    Each request carries the sequences whose turns are ready (see the module docstring) as token ids, and the sampling
+    settings TRL uses in server mode; a turn's token ids are kept whole (a stop inside a token keeps that token,
+    anything after it is cut), with their sampling log-probabilities. Connection failures are retried by httpx's
+    transport; what still fails raises `EngineError` for every turn of the request not yet finished. A request the
+    server refuses (HTTP 4xx) raises `EngineRequestError`.
 
-    A turn may legitimately take long (thousands of tokens on a loaded server), so by default a request has no read
+    A turn may legitimately take long (thousands of tokens on a loaded server), so by default there is no read
     timeout: only connecting is bounded, and a server that goes away (connection refused, reset or closed) fails the
-    request at once. A timeout set with `timeout_s` that expires raises `EngineTimeoutError`.
+    turns in flight at once. A turn not finished `timeout_s` after it was asked for raises `EngineTimeoutError`.
 
     Args:
         base_url: The server, e.g. `http://127.0.0.1:8000`.
@@ -27,9 +70,10 @@ class CompletionsEngine:
         sampling: Request fields for the sampling settings (`temperature`, `top_p`, ...), see `sampling_from_vllm`.
             A `stop` among them is the user's: it ends the completion on every turn.
         model: The served model's name (asked from `/v1/models` when `None`).
-        timeout_s: Longest wait for the reply to one request (one turn), or `None` for no limit.
+        timeout_s: Longest wait for one turn, or `None` for no limit.
         connect_timeout_s: Longest wait to connect to the server.
-        max_connections: Requests in flight at once.
+        max_connections: Requests in flight at once (the rollout bounds the sequences in flight itself).
+        coalesce: Send the turns ready at once in one streamed request; `False` sends one plain request per turn.
     """
 
     def __init__(
@@ -43,6 +87,7 @@ class CompletionsEngine:
         connect_timeout_s: float = 30.0,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        coalesce: bool = True,
     ):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
@@ -53,10 +98,15 @@ class CompletionsEngine:
         self.model = model
         # No pool timeout: the rollout bounds the requests in flight itself, a request waits for a free connection.
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
+        self.timeout_s = timeout_s
+        self.coalesce = coalesce
         self.max_connections = max_connections
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
-        self.requests = 0
+        self.requests = 0  # HTTP requests for turns
+        self._ready: list[_Turn] = []
+        self._sender: asyncio.Task | None = None
+        self._streams: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> CompletionsEngine:
         # Idle connections are dropped before the server's own keep-alive timeout (uvicorn: 5 s) can close them under
@@ -71,6 +121,10 @@ class CompletionsEngine:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        for task in [self._sender, *self._streams]:  # left running only if the rollout failed
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.gather(*self._streams, return_exceptions=True)
         await self._client.aclose()
         self._client = None
 
@@ -85,22 +139,150 @@ class CompletionsEngine:
             raise EngineTimeoutError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code in (408, 429) or response.status_code >= 500:
-            raise EngineError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
-            # The request itself is wrong (context past max_model_len, an unknown field, a wrong model name): a
-            # configuration error to fix, not a failure to drop quietly from the loss.
-            raise EngineRequestError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+            self._raise_for_status(method, path, response.status_code, response.text[:500])
         try:
             return response.json()
         except ValueError as exc:
             raise EngineError(f"{method} {path}: the reply is not JSON: {exc}") from exc
+
+    @staticmethod
+    def _raise_for_status(method: str, path: str, status: int, text: str) -> None:
+        if status in (408, 429) or status >= 500:
+            raise EngineError(f"{method} {path}: HTTP {status}: {text}")
+        # The request itself is wrong (context past max_model_len, an unknown field, a wrong model name): a
+        # configuration error to fix, not a failure to drop quietly from the loss.
+        raise EngineRequestError(f"{method} {path}: HTTP {status}: {text}")
 
     def request_fields(self, token_ids: list[int]) -> dict:
         """Extra request fields for one sequence (none here; a subclass can force or steer a sequence)."""
         return {}
 
     async def generate(self, token_ids: list[int], max_tokens: int, stop_at_code_end: bool) -> TurnOutput:
+        if not self.coalesce:
+            return await self._generate_alone(token_ids, max_tokens, stop_at_code_end)
+        turn = _Turn(
+            list(token_ids),
+            max_tokens,
+            stop_at_code_end,
+            self.request_fields(token_ids),
+            asyncio.get_running_loop().create_future(),
+        )
+        self._ready.append(turn)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_ready())
+        try:
+            # On timeout the future is cancelled: its stream stops waiting for it (and is closed once nobody waits).
+            token_ids, logprobs = await asyncio.wait_for(turn.future, self.timeout_s)
+        except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before Python 3.11
+            raise EngineTimeoutError(f"the turn took longer than {self.timeout_s} s") from exc
+        return finish_turn(
+            token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens
+        )
+
+    async def _send_ready(self) -> None:
+        """Sends the ready turns, grouped by sampling settings, one request per group; then waits until the server
+        has taken those requests (the reply's headers) before sending the turns that became ready meanwhile."""
+        while self._ready:
+            ready, self._ready = self._ready, []
+            groups: dict[tuple, list[_Turn]] = defaultdict(list)
+            for turn in ready:
+                groups[turn.group()].append(turn)
+            opened = []
+            for turns in groups.values():
+                opened.append(asyncio.get_running_loop().create_future())
+                task = asyncio.create_task(self._stream(turns, opened[-1]))
+                self._streams.add(task)
+                task.add_done_callback(self._streams.discard)
+            await asyncio.wait(opened)
+
+    async def _stream(self, turns: list[_Turn], opened: asyncio.Future) -> None:
+        """One streamed request for `turns`; each turn's future resolves when its choice finishes."""
+        first = turns[0]
+        prompts = [turn.prompt for turn in turns]
+        payload = {
+            "model": self.model,
+            "prompt": prompts if len(prompts) > 1 else prompts[0],
+            "max_tokens": max(turn.max_tokens for turn in turns),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            **self.sampling,
+            **first.fields,
+            "n": 1,
+            "stream": True,
+            "stream_interval": STREAM_INTERVAL,
+        }
+        if stops := turn_stops(self.code_end, self.stops, first.stop_at_code_end):
+            payload.update(stop=stops, include_stop_str_in_output=True)
+        self.requests += 1
+        try:
+            async with self._open("POST", "/v1/completions", payload) as response:
+                if not opened.done():
+                    opened.set_result(None)
+                await self._read(response, turns)
+        except Exception as exc:  # noqa: BLE001 - handed to every turn still waiting (they raise it)
+            for turn in turns:
+                if not turn.future.done():
+                    turn.future.set_exception(exc)
+        finally:
+            if not opened.done():
+                opened.set_result(None)
+        for turn in turns:
+            if not turn.future.done():
+                turn.future.set_exception(EngineError("the server's reply ended before this sequence's turn did"))
+
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, path: str, payload: dict):
+        """The streamed reply to one request (closed on the way out: before its end, the server aborts the rest)."""
+        send = self._client.send
+        try:
+            try:
+                response = await send(self._client.build_request(method, path, json=payload), stream=True)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                # A kept-alive connection closed by the server as the request went out: once more, on a new one.
+                response = await send(self._client.build_request(method, path, json=payload), stream=True)
+        except httpx.TimeoutException as exc:
+            raise EngineTimeoutError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:500]
+                self._raise_for_status(method, path, response.status_code, text)
+            yield response
+        finally:
+            await response.aclose()
+
+    async def _read(self, response: httpx.Response, turns: list[_Turn]) -> None:
+        """Takes each choice's tokens and log-probs as they arrive, until every turn finished (or was given up)."""
+        try:
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                # A server that answered with one JSON reply (it does not stream): its choices, by index.
+                for choice in _json(await response.aread()).get("choices") or []:
+                    _take(turns, choice, final=True)
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                chunk = _json(data)
+                if "error" in chunk:
+                    # The request was accepted and failed while generating: the server's fault, not the request's.
+                    raise EngineError(f"the server failed while generating: {json.dumps(chunk['error'])[:500]}")
+                for choice in chunk.get("choices") or []:
+                    _take(turns, choice)
+                if all(turn.future.done() for turn in turns):
+                    return  # nothing left to wait for: closing the stream aborts any turn given up on
+        except httpx.TimeoutException as exc:
+            raise EngineTimeoutError(f"reading the reply: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"reading the reply: {type(exc).__name__}: {exc}") from exc
+
+    async def _generate_alone(self, token_ids: list[int], max_tokens: int, stop_at_code_end: bool) -> TurnOutput:
+        """One plain (not streamed) request for one turn."""
         payload = {
             "model": self.model,
             "prompt": token_ids,
@@ -120,6 +302,31 @@ class CompletionsEngine:
         return finish_turn(
             choice["token_ids"], logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens
         )
+
+
+def _json(data: str | bytes) -> dict:
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise EngineError(f"the reply is not JSON: {exc}") from exc
+
+
+def _take(turns: list[_Turn], choice: dict, final: bool = False) -> None:
+    """Adds a streamed choice's tokens and log-probs to its turn (`index`: the prompt's place in the request); a
+    choice with a `finish_reason` (or from a reply that is not streamed: `final`) finishes the turn."""
+    try:
+        turn = turns[int(choice.get("index", 0))]
+    except (IndexError, ValueError) as exc:
+        raise EngineError(f"a choice for no prompt of the request: index {choice.get('index')!r}") from exc
+    ids = choice.get("token_ids") or []
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    turn.token_ids.extend(ids)
+    if turn.logprobs is not None and (logprobs is not None or not ids):
+        turn.logprobs.extend(logprobs or [])
+    else:
+        turn.logprobs = None  # tokens without log-probs: none for the turn
+    if (final or choice.get("finish_reason") is not None) and not turn.future.done():
+        turn.future.set_result((turn.token_ids, turn.logprobs))
 
 
 def sampling_from_vllm(vllm_generation) -> dict:

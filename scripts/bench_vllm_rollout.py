@@ -1,7 +1,8 @@
 """`bench_rollout.py --backend vllm`: the interleaved rollout through a real vLLM engine vs plain vLLM generate.
 
-Same engine, same prompts, same number of tokens per row, measured side by side in one run (median of `repeats`,
-alternated so that load drifts hit both alike). Run with `.venv-engines/bin/python` (vLLM's CPU build).
+Same engine, same prompts, same number of tokens per row, measured side by side in one run: `repeats` (at least 3)
+alternated runs, so that load drifts hit both alike; each ratio is the median of the per-run ratios, printed and
+carried in the JSON with its min-max. Run with `.venv-engines/bin/python` (vLLM's CPU build).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ def _timed(obj, name: str, clock: _Clock):
     setattr(obj, name, wrapper)
 
 
+def _spread(values) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def bench_vllm(args) -> None:
+    if args.repeats < 3:
+        raise SystemExit("--repeats must be at least 3 with --backend vllm: one run cannot tell a change from noise")
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -128,20 +135,28 @@ def bench_vllm(args) -> None:
     plain_sampled_s = statistics.median(times["plain_sampled"])
     engine_med, sandbox_med = statistics.median(engine_s), statistics.median(sandbox_s)
     other_s = rollout_s - engine_med - sandbox_med
+    # Per alternated run: the rollout over the plain generate made right after it.
+    ratio = _spread([r / p for r, p in zip(times["rollout"], times["plain"], strict=True)])
+    ratio_sampled = _spread([r / p for r, p in zip(times["rollout"], times["plain_sampled"], strict=True)])
     tokens, interp = sum(lengths), sum(len(m) - sum(m) for m in result.interpreter_mask)
     calls, turns, engine_calls = sum(result.num_tool_calls), max(result.num_turns), result.engine_calls[0]
 
     print(
         f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch}, {tokens} "
         f"tokens ({interp} interpreter), {calls} code calls, {turns} turns, {engine_calls} engine calls, "
-        f"median of {args.repeats}"
+        f"median of {args.repeats} alternated runs"
     )
     print(f"{'generator':<48}{'wall s':>10}{'x plain':>10}")
     print(f"{'vLLM plain generate (same tokens, one call)':<48}{plain_s:>10.3f}{1.0:>10.2f}")
     print(
         f"{'vLLM plain generate (sampled tokens only)':<48}{plain_sampled_s:>10.3f}{plain_sampled_s / plain_s:>10.2f}"
     )
-    print(f"{'ReTool interleaved rollout through vLLM':<48}{rollout_s:>10.3f}{rollout_s / plain_s:>10.2f}")
+    print(f"{'ReTool interleaved rollout through vLLM':<48}{rollout_s:>10.3f}{ratio['median']:>10.2f}")
+    print(
+        f"rollout / plain generate, per alternated run: median {ratio['median']:.2f} (min {ratio['min']:.2f}, "
+        f"max {ratio['max']:.2f}); over the sampled tokens only: median {ratio_sampled['median']:.2f} "
+        f"(min {ratio_sampled['min']:.2f}, max {ratio_sampled['max']:.2f})"
+    )
     print(
         f"  of which engine calls: {engine_med:.3f} s, sandbox: {sandbox_med:.3f} s, "
         f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s"
@@ -151,8 +166,13 @@ def bench_vllm(args) -> None:
         print(
             json.dumps(
                 {
-                    "vllm_rollout_vs_generate": round(rollout_s / plain_s, 4),
-                    "vllm_rollout_vs_generate_sampled": round(rollout_s / plain_sampled_s, 4),
+                    "vllm_rollout_vs_generate": round(ratio["median"], 4),
+                    "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
+                    "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
+                    "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
+                    "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
+                    "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
+                    "repeats": args.repeats,
                     "rollout_s": round(rollout_s, 4),
                     "plain_generate_sampled_s": round(plain_sampled_s, 4),
                     "plain_generate_s": round(plain_s, 4),

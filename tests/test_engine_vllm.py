@@ -251,10 +251,12 @@ def server_trainer(server, tokenizer, sandbox, tmp_path_factory):
         vllm_client.VLLMClient.init_communicator = original
 
 
-def greedy_engine(server, tokenizer, transport=None):
+def greedy_engine(server, tokenizer, transport=None, coalesce=True):
     from retool_trl.async_rollout import CompletionsEngine
 
-    return CompletionsEngine(server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0}, transport=transport)
+    return CompletionsEngine(
+        server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0}, transport=transport, coalesce=coalesce
+    )
 
 
 class SleepsFirst:
@@ -285,7 +287,27 @@ def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet
     assert_same_rollout(ours, barrier, snippet_timeout)
 
 
-def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer):
+def test_coalesced_requests_equal_one_request_per_turn(server, tokenizer, sandbox):
+    """On vLLM's own server, the turns ready at once sent as one streamed request with a list of prompts give the
+    completions of one plain request per turn (ids, masks, log-probs, reward kwargs) from fewer requests."""
+    from retool_trl.async_rollout import async_rollout
+
+    spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
+    prompts = prompt_ids_of(tokenizer, n=12, seed=4)
+    alone_engine, engine = greedy_engine(server, tokenizer, coalesce=False), greedy_engine(server, tokenizer)
+    alone = async_rollout(prompts, alone_engine, sandbox, tokenizer, spec, max_concurrency=8)
+    ours = async_rollout(prompts, engine, sandbox, tokenizer, spec, max_concurrency=8)
+    assert not any(alone.infra_failed)
+    assert_same_rollout(ours, alone, snippet_timeout=False)
+    turns = sum(alone.num_tool_calls) + len(prompts)
+    assert alone_engine.requests == turns and engine.requests < turns
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["request-per-turn", "coalesced"])
+def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer, coalesce):
+    """The connection is gone for good after some requests: the rows it cuts off are infrastructure failures. One
+    request per turn: after 8 requests (some rows done by then). Coalesced: after the first request (the first three
+    rows' first turns), so the rows that start later all fail."""
     import httpx
 
     from retool_trl.async_rollout import async_rollout
@@ -309,11 +331,12 @@ def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer):
     dataset = quickstart_dataset(6, seed=5)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in dataset["prompt"]]
     fake = FakeSandbox()
-    result = async_rollout(
-        prompts, greedy_engine(server, tokenizer, DropsAfter(8)), fake, tokenizer, spec, max_concurrency=3
-    )
+    engine = greedy_engine(server, tokenizer, DropsAfter(1 if coalesce else 8), coalesce=coalesce)
+    result = async_rollout(prompts, engine, fake, tokenizer, spec, max_concurrency=3)
     # Rows cut off by the engine are infrastructure failures: unscored (None), never -1; the rest are scored.
-    assert any(result.infra_failed) and not all(result.infra_failed)
+    assert any(result.infra_failed) and (coalesce or not all(result.infra_failed))
+    if coalesce:
+        assert all(result.infra_failed[3:])
     rewards = boxed_accuracy(
         [""] * 6, dataset["answer"], model_text=result.model_text, infra_failed=result.infra_failed
     )
