@@ -79,7 +79,7 @@ class ReToolOptions:
     )
     rollout_concurrency: int = field(
         default=256,
-        metadata={"help": "Async rollout: completions in flight at once on each process (requests to the server)."},
+        metadata={"help": "Async rollout: completions in flight at once on each process."},
     )
     vllm_request_timeout_s: float | None = field(
         default=None,
