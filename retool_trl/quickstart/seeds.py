@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -81,6 +82,13 @@ def run_seeds(seeds: list[int], run, output_dir: str | Path = "retool_quickstart
     print("\n" + table)
     print(f"\n{len(seeds)} seeds in {aggregate['wall_s']:.0f} s; wrote {out / 'seeds.json'}, seeds.md and {plot.name}")
     return aggregate
+
+
+def _span(seeds: list[int]) -> str:
+    """`0-4` for consecutive seeds, else `0,2,7`."""
+    if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 1:
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
 
 
 def _stats(values: list) -> dict:
@@ -189,8 +197,10 @@ def plot_seeds(aggregate: dict, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     task = aggregate.get("task") or {}
     name = "multi-turn" if "max_cell_chars" in task else "arithmetic"
-    fig.suptitle(f"{name} quickstart over {len(seeds)} seeds (retool-trl quickstart --seeds)", fontsize=11)
-    fig.tight_layout()
+    fig.suptitle(f"{name} quickstart over {len(seeds)} seeds", fontsize=11)
+    command = f"retool-trl quickstart{' --task multiturn' if name == 'multi-turn' else ''} --seeds {_span(seeds)}"
+    fig.text(0.01, 0.01, f"{command} on CPU, {os.cpu_count()} cores", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
