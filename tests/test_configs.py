@@ -147,6 +147,7 @@ def test_multiturn_config_matches_the_quickstart_command():
     for key in ("max_cell_chars", "max_tool_calls", "max_interpreter_output_chars"):
         assert raw[key] == getattr(task, key), key
     assert raw["interpreter_errors"] == "last_line" and raw["dataset_name"] == "multiturn"
+    assert float(raw["dataset_config"]) == task.failing_start
 
 
 def test_multiturn_config_trains(tmp_path):

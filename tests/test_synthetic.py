@@ -163,3 +163,21 @@ def test_multiturn_sft_trace_mix():
         assert (f"<interpreter>{row['answer']}\n</interpreter>" in row["completion"]) == row["recovers"]
     with pytest.raises(ValueError, match="failure_fraction"):
         make_multiturn_sft_traces(5, failure_fraction=1.5)
+
+
+def test_multiturn_training_prompts_can_start_from_a_failing_cell():
+    """The quickstart trains recovery on prompts that end with a failing first cell (as the recovery probe starts):
+    the share asked for, each kind of failure in turn, the cell and its reply exactly as a trace shows them."""
+    from retool_trl.data.synthetic import FAILURES, Problem, make_multiturn_dataset, multiturn_failing_cell
+
+    plain = make_multiturn_dataset(8, seed=3)
+    mixed = make_multiturn_dataset(8, seed=3, failing_start=0.5)
+    assert mixed.column_names == plain.column_names and mixed["answer"] == plain["answer"]
+    for i, (before, after) in enumerate(zip(plain, mixed)):
+        if i < 4:
+            problem = Problem(before["kind"], before["expression"], int(before["answer"]), before["difficulty"])
+            assert after["prompt"] == before["prompt"] + multiturn_failing_cell(problem, FAILURES[i])
+        else:
+            assert after["prompt"] == before["prompt"]
+    with pytest.raises(ValueError, match="failing_start must be in"):
+        make_multiturn_dataset(4, failing_start=1.5)

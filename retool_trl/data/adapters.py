@@ -310,7 +310,8 @@ def load_math_dataset(
             local `.jsonl`/`.json`/`.parquet`/`.csv` file or folder.
         split (`str`, *optional*): Split to load (default: the dataset's usual one; `train` for local files, whose
             files are all loaded).
-        config_name (`str`, *optional*): Hub configuration. For `synthetic`, the difficulty (e.g. `"2"`).
+        config_name (`str`, *optional*): Hub configuration. For `synthetic`, the difficulty (e.g. `"2"`); for
+            `multiturn`, the share of prompts that start from a failing cell (e.g. `"0.5"`).
         prompt_format (`str`): `"conversational"`, `"plain"`, or `"auto"` (conversational when the problems are
             already conversations, plain text otherwise).
         system_prompt (`str` or `None`): Instructions before each problem. Default: the shipped ReTool prompt with
@@ -339,7 +340,11 @@ def load_math_dataset(
         from .synthetic import make_arithmetic_dataset, make_multiturn_dataset
 
         if name.strip().lower() in SYNTHETIC_NAMES[3:]:
-            raw = make_multiturn_dataset(max_samples or 512, seed=seed, split=split or "train")
+            # The configuration is the share of prompts that start from a failing cell (the quickstart trains on 0.5).
+            failing_start = float(config_name) if config_name else 0.0
+            raw = make_multiturn_dataset(
+                max_samples or 512, seed=seed, split=split or "train", failing_start=failing_start
+            )
         else:
             difficulty = int(config_name) if config_name else 2
             raw = make_arithmetic_dataset(max_samples or 512, seed=seed, difficulty=difficulty, split=split or "train")

@@ -277,18 +277,45 @@ def sample_multiturn_problems(
 
 
 def make_multiturn_dataset(
-    n: int, seed: int = 0, split: str = "train", test_fraction: float = DEFAULT_TEST_FRACTION
+    n: int,
+    seed: int = 0,
+    split: str = "train",
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    failing_start: float = 0.0,
+    max_cell_chars: int = MULTITURN_CELL_CHARS,
 ) -> Dataset:
-    """`n` multi-turn problems of one side of the split (`"train"` or `"test"`), columns as [`make_splits`]'s."""
-    return _to_dataset(sample_multiturn_problems(n, seed, split, test_fraction))
+    """`n` multi-turn problems of one side of the split (`"train"` or `"test"`), columns as [`make_splits`]'s.
+
+    Args:
+        failing_start (`float`): Share of the problems whose prompt ends with a failing first cell and the
+            interpreter's reply ([`multiturn_failing_cell`], the kinds of `FAILURES` in turn), so that RL also
+            trains the recovery from a failure the policy itself rarely makes once it has learnt the task.
+        max_cell_chars (`int`): The cell budget the failing cells are written for.
+    """
+    if not 0.0 <= failing_start <= 1.0:
+        raise ValueError(f"failing_start must be in [0, 1], got {failing_start}.")
+    problems = sample_multiturn_problems(n, seed, split, test_fraction)
+    dataset = _to_dataset(problems)
+    k = round(len(problems) * failing_start)
+    if not k:
+        return dataset
+    starts = [
+        multiturn_failing_cell(p, FAILURES[i % len(FAILURES)], max_cell_chars) for i, p in enumerate(problems[:k])
+    ]
+    prompts = [prompt + start for prompt, start in zip(dataset["prompt"], starts)] + dataset["prompt"][k:]
+    return dataset.remove_columns("prompt").add_column("prompt", prompts).select_columns(dataset.column_names)
 
 
 def make_multiturn_splits(
-    n_train: int, n_test: int, seed: int = 0, test_fraction: float = DEFAULT_TEST_FRACTION
+    n_train: int,
+    n_test: int,
+    seed: int = 0,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
+    failing_start: float = 0.0,
 ) -> DatasetDict:
     """`DatasetDict(train=..., test=...)` of disjoint multi-turn problems (columns as [`make_splits`])."""
     return DatasetDict(
-        train=make_multiturn_dataset(n_train, seed, "train", test_fraction),
+        train=make_multiturn_dataset(n_train, seed, "train", test_fraction, failing_start),
         test=make_multiturn_dataset(n_test, seed + 1, "test", test_fraction),
     )
 
