@@ -84,6 +84,15 @@ def _needed_paths(worker: str) -> list[Path]:
     return sorted({p.resolve() for p in paths if p.exists()})
 
 
+def needed_under_temp(worker: str) -> list[str]:
+    """The paths a session needs (`_needed_paths`) that lie under a directory each session replaces with its own
+    tmpfs (`/tmp`, `/dev/shm`, `/var/tmp`): a virtual environment or a checkout under /tmp. The session binds them
+    back (`jail_setup.enter_jail`); outermost paths only."""
+    temp = [Path(p) for p in ("/tmp", "/dev/shm", "/var/tmp")]
+    under = [p for p in _needed_paths(worker) if any(t in p.parents for t in temp)]
+    return [str(p) for p in under if not any(other in p.parents for other in under)]
+
+
 def _hidden_roots(paths: list[Path], replaced: tuple[str, ...]) -> list[Path]:
     """Ancestors that hide a needed path from an unprivileged uid (mode 700 home dirs) or get replaced by a tmpfs."""
     roots = set()

@@ -16,7 +16,17 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000000,
     0x40000000,
 )
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    0x4000,
+    1 << 18,
+)
+_PRIVATE_TEMP = ("/tmp", "/dev/shm", "/var/tmp")
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 libc = ctypes.CDLL(None, use_errno=True)
@@ -51,9 +61,22 @@ def enter_jail(config):
     check(libc.unshare(CLONE_NEWNS | network | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     tmpfs = f"size={config['scratch_mb']}m,nr_inodes={config['max_files']},mode=1777"
-    for target in ("/tmp", "/dev/shm", "/var/tmp"):
+    # What the interpreter needs from under a temp directory (a virtual environment or checkout under /tmp): held
+    # open across the private tmpfs mounts, then bound back read-only at the same place.
+    kept = []
+    for path in config.get("needed_under_temp", ()):
+        try:
+            kept.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+        except OSError:
+            pass
+    for target in _PRIVATE_TEMP:
         if os.path.isdir(target):
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
+    for path, fd in kept:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if os.path.isdir("/dev/pts"):  # its own pseudo-terminals (bubblewrap's one instance is every jail's), 8 at most
         mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620,max=8")

@@ -23,6 +23,7 @@ from .isolation import (
     bwrap_usable,
     can_drop_privileges,
     find_bwrap,
+    needed_under_temp,
     seccomp_program,
     warn_once,
 )
@@ -247,6 +248,7 @@ class LocalSandbox(CallResults):
                 "max_files": self.max_files,
                 "network": self.network,
                 "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
+                "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
