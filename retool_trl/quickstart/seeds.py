@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .plan import RUNS
 
-# (summary key under a run, label, is a rate): what the table reports for each run, when the task logs it.
+# (summary key under a run, label, kind): what the table reports for each run, when the task logs it. The kind is
+# True for a rate (shown in %), False for a mean (two decimals), None for a count.
 REPORTED = (
     ("accuracy_before", "accuracy before", True),
     ("accuracy_after", "accuracy after", True),
@@ -23,11 +24,11 @@ REPORTED = (
     ("calls_per_completion_after", "calls per completion after", False),
     ("recovery_rate_before", "recovery before", True),
     ("recovery_rate_after", "recovery after", True),
-    ("failing_completions_after", "completions with a failing cell after", False),
+    ("failing_completions_after", "completions with a failing cell after", None),
     ("recovery_probe_before", "recovery probe before", True),
     ("recovery_probe_after", "recovery probe after", True),
     ("recovery_probe_stderr_after", "recovery probe after, standard error", True),
-    ("recovery_probe_n", "recovery probe completions", False),
+    ("recovery_probe_n", "recovery probe completions", None),
 )
 
 
