@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -202,6 +203,67 @@ def test_cpu_bound_cells_do_not_oversubscribe_the_workers():
         )
         first, second = (tuple(map(float, r.output.split())) for r in sb.run_many([(a, burn), (b, burn)]))
     assert second[0] >= first[1] - 0.02 or first[0] >= second[1] - 0.02, (first, second)
+
+
+BURN_CELL = (
+    "import time\nstart = time.time()\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
+    "print(start, time.time())"
+)
+
+
+def _most_at_once(spans, slack_s=0.02):
+    """The largest number of (start, end) spans that overlap at one moment, each trimmed by `slack_s` at both ends
+    (a cell's clock reads are not its admission and settling)."""
+    edges = sorted([(a + slack_s, 1) for a, b in spans] + [(b - slack_s, -1) for a, b in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_cpu_bound_first_calls_from_many_threads_do_not_oversubscribe_the_workers():
+    """Stands for an async rollout's burst: every completion's thread makes its session's first call at the same
+    moment. Each admission counts the slots taken before it, so the burst cannot all see the same free slots (and run
+    8 CPU-bound cells on 2 workers, each slowed towards its time limit)."""
+    with LocalSandbox(num_workers=2, timeout_s=20.0, preload=()) as sb:
+        sb.session().run("pass")  # the zygote's start is not part of the burst
+        gate = threading.Barrier(8)
+
+        def first_call(_):
+            session = sb.session()
+            gate.wait()
+            result = session.run(BURN_CELL.format(s=0.2))
+            session.close()
+            assert result.ok, result
+            return tuple(map(float, result.output.split()))
+
+        with ThreadPoolExecutor(8) as pool:
+            spans = list(pool.map(first_call, range(8)))
+    assert _most_at_once(spans) <= 2, sorted(spans)
+
+
+def test_threads_waiting_for_a_slot_get_it_in_the_order_they_came():
+    """Stands for one-cell batches of an async rollout queued behind busy workers: the slot that frees goes to the
+    thread that waited longest, not to whichever polls first (which left some waiting 5x the median)."""
+    with LocalSandbox(num_workers=1, timeout_s=20.0, preload=()) as sb:
+        sessions = [sb.session() for _ in range(6)]
+        sb.run_many([(s, "pass") for s in sessions])
+        starts = {}
+
+        def call(k):
+            result = sessions[k].run(BURN_CELL.format(s=0.6 if k == 0 else 0.05))
+            assert result.ok, result
+            starts[k] = float(result.output.split()[0])
+
+        threads = []
+        for k in range(6):
+            threads.append(threading.Thread(target=call, args=(k,)))
+            threads[-1].start()
+            time.sleep(0.08)  # each arrives while the first still holds the only slot
+        for thread in threads:
+            thread.join(30)
+    assert sorted(starts, key=starts.get) == list(range(6)), starts
 
 
 def test_a_slow_cell_does_not_hold_up_the_rest():

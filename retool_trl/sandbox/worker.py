@@ -35,7 +35,7 @@ from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
 
-_REFILL_AFTER_S = 0.02  # idle this long before pre-starting a jail: a fork stalls the zygote for a few ms
+_REFILL_AFTER_S = 0.02  # no request for this long before pre-starting a jail: a fork stalls the zygote for a few ms
 _SPARE_WEIGHT, _FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
 _RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
@@ -80,7 +80,7 @@ class _Zygote:
         self.spares = []  # pids of jails waiting for a session, oldest first
         self.target = config["spares"]  # spares wanted now: the usual count, or more after a `reserve`
         self.reserve_until = 0.0  # reserved spares beyond the usual count are released after this
-        self.refilling = False  # forked a spare at the last idle moment: fork the next one without waiting
+        self.last_request = 0.0  # when the host last asked for something: spares are forked once it went quiet
         self.graveyard = []  # cgroup directories whose rmdir must wait for the kernel
         self.serial = 0
         self.uid_base = random.randrange(1 << 24, (1 << 31) - (1 << 21))
@@ -360,17 +360,20 @@ class _Zygote:
         while True:
             refill = len(self.spares) < self.target
             if refill:  # a reserve is forked back to back, but only while no request waits
-                timeout = 0.0 if self.refilling else _REFILL_AFTER_S
+                timeout = max(0.0, self.last_request + _REFILL_AFTER_S - time.monotonic())
             elif len(self.spares) > self.config["spares"]:
                 timeout = max(0.0, self.reserve_until - time.monotonic())
             else:
                 timeout = None
             events = self.selector.select(timeout)
-            self.refilling = False
-            if not events and refill:
+            # Only a request (on the control socket) pauses the refill: a jail that finished setting up, a death or
+            # a session that ended needs no answer. Pausing for those too left a reserve of 256 jails forking about
+            # one per 20 ms once the first ones reported ready (4.1 s for 256 on 2 CPUs).
+            if any(key.data[0] == "control" for key, _ in events):
+                self.last_request = time.monotonic()
+            if refill and time.monotonic() - self.last_request >= _REFILL_AFTER_S:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
-                    self.refilling = True
                 except OSError:
                     time.sleep(0.1)  # out of processes or memory: do not spin
             elif not events and len(self.spares) > self.config["spares"] and time.monotonic() >= self.reserve_until:
