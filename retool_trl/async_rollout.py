@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -67,11 +69,12 @@ def async_rollout(
     requests_before = getattr(engine, "requests", None)
     reserve_sessions(sandbox, len(rows), spec)
     try:
-        _run_coroutine(
-            _run_all(
-                rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls
+        with short_gil_slices():
+            _run_coroutine(
+                _run_all(
+                    rows, engine, sandbox, tokenizer, spec, max_concurrency, exec_seconds, have_logprobs, engine_calls
+                )
             )
-        )
     finally:
         for row in rows:
             if row.session is not None:
@@ -124,6 +127,34 @@ async def _run_all(
             await asyncio.gather(*(complete(row) for row in rows))
     finally:
         cells.shutdown(wait=True)
+
+
+GIL_SLICE_S = 0.0002
+_slices_lock = threading.Lock()
+_slices_depth = [0, None]  # rollouts in progress, and the switch interval to restore after the last one
+
+
+@contextlib.contextmanager
+def short_gil_slices():
+    """Shortens the interpreter's GIL switch interval (5 ms by default) while an async rollout runs.
+
+    The loop's thread is busy most of the time (stepping the colocated engine, whose output processing is Python, or
+    parsing a stream), and every snippet's thread needs the GIL back after each of the few dozen system calls of a
+    sandbox call: with 5 ms slices, each of those waits up to a slice behind the busy thread. Measured with 32 threads
+    of sleeping cells beside one busy Python thread: 420 ms of overhead per call (p50) at 5 ms slices, 103 ms at
+    0.2 ms (68 ms with no busy thread). Restored when the last rollout in progress ends."""
+    with _slices_lock:
+        if _slices_depth[0] == 0:
+            _slices_depth[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_slices_depth[1], GIL_SLICE_S))
+        _slices_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _slices_lock:
+            _slices_depth[0] -= 1
+            if _slices_depth[0] == 0:
+                sys.setswitchinterval(_slices_depth[1])
 
 
 def _run_coroutine(coroutine) -> None:

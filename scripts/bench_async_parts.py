@@ -171,6 +171,10 @@ class Latencies:
     def session(self):
         return self.inner.session()
 
+    def reserve(self, n):
+        """Passed on, as the trainer's sandbox gets it: the rollout prepares its sessions' jails while it generates."""
+        self.inner.reserve(n)
+
     def run_many(self, pairs):
         cells = []
         for session, code in pairs:

@@ -21,7 +21,7 @@ from .channel import SETUP_WAIT_S
 logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
-FIRST_TICK_S = 0.01  # how soon after its start a cell is first checked
+FIRST_TICK_S = 0.003  # how soon after its start a cell is first checked (a sleeping cell holds its slot so long)
 SPIN_S = 0.0006  # how long a lone cell's status is polled (yielding the CPU) before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
 PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
