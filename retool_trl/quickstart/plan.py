@@ -51,7 +51,7 @@ class QuickstartArguments:
     output_dir: str = field(default="retool_quickstart", metadata={"help": "Run folder."})
     task: str = field(default="arithmetic", metadata={"help": "Task: 'arithmetic' or 'multiturn'."})
     model: str | None = field(default=None, metadata={"help": "Starting checkpoint (default: the shipped model)."})
-    max_steps: int = field(default=40, metadata={"help": "GRPO steps of each run."})
+    max_steps: int = field(default=50, metadata={"help": "GRPO steps of each run."})
     prompts_per_step: int = field(default=8, metadata={"help": "Problems per GRPO step."})
     num_generations: int = field(default=8, metadata={"help": "Samples per problem (GRPO group size)."})
     learning_rate: float = field(default=3e-4, metadata={"help": "GRPO learning rate (constant, then decayed)."})
