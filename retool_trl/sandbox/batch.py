@@ -85,8 +85,12 @@ class InFlight:
     def remove(self, entry) -> None:
         with self._lock:
             self._entries.discard(entry)
-            if self._line:
-                self._line[0][1].set()  # a slot may be free: the longest waiter looks first
+            self._wake_first()  # a slot may be free: the longest waiter looks first
+
+    def _wake_first(self) -> None:
+        """Wakes the batch first in line, if any (called with `_lock` held)."""
+        if self._line:
+            self._line[0][1].set()
 
     def snapshot(self) -> list:
         with self._lock:
@@ -98,8 +102,7 @@ class InFlight:
             with self.admitting:
                 self.claimed -= count
             with self._lock:
-                if self._line:
-                    self._line[0][1].set()
+                self._wake_first()
 
     def first_in_line(self, batch) -> bool:
         """Whether `batch` may take a slot now: nobody waits, or it waited longest (it joins the line otherwise)."""
@@ -132,8 +135,7 @@ class InFlight:
                     break
             else:
                 return
-            if self._line:
-                self._line[0][1].set()
+            self._wake_first()
 
 
 class _Running:
