@@ -485,3 +485,45 @@ def test_the_elided_count_is_what_was_left_out(sandbox, extra):
     match = re.search(r"\n\.\.\. \[(\d+) characters elided\] \.\.\.\n", out)
     assert match, out[:200]
     assert len(out) - len(match.group(0)) + int(match.group(1)) == printed
+
+
+def test_a_jail_still_setting_up_does_not_hold_a_cpu_slot(monkeypatch):
+    """Stands for a reserve the machine had no CPU for (an engine keeping every core busy): a first call gets a jail
+    that is not yet set up. Its thread waits for the set-up without a CPU slot, so another thread's cell runs
+    meanwhile; held through the set-up, the only slot made the other wait for it."""
+    from retool_trl.sandbox import channel, local
+
+    slow, slow_until = set(), {}  # sessions whose jail is slow, and until when each jail's set-up lasts
+    open_jails, waiting_point = local.LocalSandbox.open_jails, channel.SessionProcess._waiting_point
+
+    def open_slowly(self, sessions):
+        errors = open_jails(self, sessions)
+        for session in sessions:
+            if id(session) in slow and session._proc is not None:
+                slow_until[id(session._proc)] = time.monotonic() + 0.6
+        return errors
+
+    def not_yet(self):
+        return None if slow_until.get(id(self), 0.0) > time.monotonic() else waiting_point(self)
+
+    monkeypatch.setattr(local.LocalSandbox, "open_jails", open_slowly)
+    monkeypatch.setattr(channel.SessionProcess, "_waiting_point", not_yet)
+    with LocalSandbox(num_workers=1, timeout_s=10.0, preload=()) as sb:
+        warm, fresh = sb.session(), sb.session()
+        assert warm.run("x = 1").ok
+        slow.add(id(fresh))
+        done = {}
+
+        def first_call():
+            done["fresh"] = fresh.run("print('set up')")
+
+        thread = threading.Thread(target=first_call)
+        thread.start()
+        time.sleep(0.15)  # the fresh session has its jail and waits for the set-up
+        start = time.monotonic()
+        other = warm.run("print(x)")
+        other_s = time.monotonic() - start
+        thread.join(10)
+    assert other.ok and other.output == "1\n"
+    assert other_s < 0.3, other_s
+    assert done["fresh"].ok and done["fresh"].output == "set up\n"

@@ -25,6 +25,7 @@ FIRST_TICK_S = 0.003  # how soon after its start a cell is first checked (a slee
 SPIN_S = 0.0006  # how long a lone cell's status is polled (yielding the CPU) before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
 PARK_POLL_MAX_S = 0.01  # ...doubling up to this while it is not (a forged status ahead of more work)
+SETUP_POLL_S = 0.001  # how often a batch with only jails still setting up checks them
 ADMIT_WAIT_S = 0.002  # how often a batch waiting for a CPU slot checks, when no cell's end wakes it first
 CLOSED_CHECK_S = 0.1  # how often a batch notices that a session was closed under a running cell
 DEATH_NOTICE_S = 2.0  # how long a dead process's account of its death may take to come from the zygote
@@ -198,13 +199,17 @@ class Batch:
             self.queues.setdefault(session, deque()).append(i)
         self.ready = deque(self.queues)
         self.running: dict[object, _Running] = {}  # by session
+        # Sessions whose fresh jail is still setting up: they ask for a CPU slot again once it is set up, so that no
+        # slot is held through a set-up (see `_start_cells`); and when each was first seen so.
+        self.setting_up: set = set()
+        self.setup_since: dict[object, float] = {}
         self.selector = selectors.DefaultSelector()
         self.output_limit = 4 * sandbox.max_output_chars
         self.budget_check_at = time.monotonic() + CPU_TICK_S
 
     def run(self) -> list[ExecResult]:
         try:
-            while self.ready or self.running:
+            while self.ready or self.running or self.setting_up:
                 self._admit()
                 if not self.running:
                     continue
@@ -274,7 +279,10 @@ class Batch:
             self.ready.append(session)
 
     def _admit(self) -> None:
+        self._take_back_set_up()
         if not self.ready:
+            if self.setting_up and not self.running:
+                time.sleep(SETUP_POLL_S)  # only jails still setting up to wait for
             return
         line = self.sandbox.in_flight
         if not self.running and not line.first_in_line(self):
@@ -324,14 +332,40 @@ class Batch:
                 )
                 self._advance(session)
                 continue
-            self._dispatch(session, index)
+            if self._setting_up(session):
+                # Its jail was handed out before it finished setting up (a reserve the machine had no CPU for):
+                # give the slot back and ask again once it is set up. Held through the set-up, with an engine
+                # keeping the CPUs busy, a few such slots made every other thread of an async rollout wait seconds.
+                session._in_use.release()
+                self.setup_since.setdefault(session, time.monotonic())
+                self.setting_up.add(session)
+                continue
+            waited = self.setup_since.pop(session, None) is not None
+            self._dispatch(session, index, setup_wait_s=0.0 if waited else SETUP_WAIT_S)
 
-    def _dispatch(self, session, index: int) -> None:
+    def _setting_up(self, session) -> bool:
+        """Whether the session's jail is alive but not yet at its wait for requests, and has not been waited for
+        past `SETUP_WAIT_S` (then `begin` reports it)."""
+        proc = session._proc
+        if proc.idle_point is not None or proc.learn_idle_point(timeout_s=0.0) or proc.exited(grace_s=0.0):
+            return False
+        return time.monotonic() - self.setup_since.get(session, time.monotonic()) < SETUP_WAIT_S
+
+    def _take_back_set_up(self) -> None:
+        """Sessions whose jail has finished setting up (or died, closed, or waited too long) ask for a slot again,
+        ahead of the others."""
+        for session in list(self.setting_up):
+            proc = session._proc
+            if proc is None or proc.closed or not self._setting_up(session):
+                self.setting_up.discard(session)
+                self.ready.appendleft(session)
+
+    def _dispatch(self, session, index: int, setup_wait_s: float = SETUP_WAIT_S) -> None:
         entry = _Running(index, session)
         proc = entry.proc
         self.running[session] = entry
         session.calls += 1
-        problem = proc.begin({"code": self.pairs[index][1]})
+        problem = proc.begin({"code": self.pairs[index][1]}, setup_wait_s)
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
         self.sandbox.in_flight.add(entry)
         if problem == "not set up":

@@ -115,12 +115,13 @@ class SessionProcess(JailSweep):
     def closed(self) -> bool:
         return self.request_w is None
 
-    def begin(self, request: dict) -> str | None:
+    def begin(self, request: dict, setup_wait_s: float = SETUP_WAIT_S) -> str | None:
         """Sends a request and lets the process run. Returns None, or why it could not: "gone" (it died, or its
-        request pipe has no reader) or "not set up" (a fresh jail that never reached its wait for requests)."""
+        request pipe has no reader) or "not set up" (a fresh jail that did not reach its wait for requests within
+        `setup_wait_s`)."""
         if self.closed:
             return "gone"
-        if not self.learn_idle_point(timeout_s=SETUP_WAIT_S):
+        if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
         self._drain_status()  # nothing a cell's late writer left there may count for this call
