@@ -12,12 +12,12 @@ import re
 import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from vllm_serve import local_command
 
 from retool_trl.async_rollout import CompletionsEngine
 from retool_trl.colocate_engine import ColocateEngine
@@ -78,21 +78,7 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [
-            sys.executable,
-            str(Path(__file__).with_name("vllm_serve.py")),
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce_eager",
-            "--max_model_len",
-            "2048",
-        ]
+        command = local_command(model, self.port, max_model_len=2048)
         self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 600

@@ -34,6 +34,26 @@ def _patch_vllm_version_lookup() -> None:
     importlib.metadata.version = version
 
 
+def local_command(model, port: int, max_model_len: int) -> list[str]:
+    """The command that starts this launcher on 127.0.0.1 with what vLLM's CPU build needs (float32, eager mode), as
+    the engine tests and benchmarks run it."""
+    return [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce_eager",
+        "--max_model_len",
+        str(max_model_len),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     from trl.scripts.vllm_serve import build_command, make_parser
 
