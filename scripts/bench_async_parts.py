@@ -101,32 +101,47 @@ class Server:
 
 
 # ----------------------------------------------------------------------------------------------------- the workload
-def make_workload(batch: int, seed: int, calls: int | None = None, prose: bool = True, kinds: int = 6):
+def make_workload(
+    batch: int, seed: int, calls: int | None = None, prose: bool = True, kinds: int = 6, turns: str = "long-tailed"
+):
     """Per completion: a prompt, its forced turns, and the latencies of its calls.
 
     Completions come in `kinds` kinds (without prose, one): a kind fixes the text, i.e. how many calls (2-4, or
-    `calls`), the prose before each cell (0-6 sentences), the cell `<code>work(kind)</code>` and the answer (0-3
-    sentences); its completions differ by prompt and by the latencies of their calls (long-tailed: most a few ms,
-    some 100-300 ms). Completions of a kind share their regexes, which matters twice: vLLM compiles each regex once
-    and caches it (compiling is engine time that is not the rollout's), and the server engine coalesces only
-    requests with the same sampling fields (in training every completion has the same; the forcing regex is this
-    benchmark's artefact, so it coalesces less than training would). The sandbox side (`Latencies`) turns each
-    `work(kind)` into a cell that really sleeps. Without prose (the comparison with TRL's loop), a code turn has a
-    fixed sentence before its cell, about as long as the tool call TRL's loop is forced to write (`TOOL_CALL`), and
-    the answer is short."""
+    `calls`), the prose before each cell, the cell `<code>work(kind)</code>` and the answer (0-3 sentences); its
+    completions differ by prompt and by the latencies of their calls (long-tailed: most a few ms, some 100-300 ms).
+
+    The prose before each cell is drawn per kind and per turn. `turns="long-tailed"` (the default, as in real
+    multi-turn reasoning, where a turn may think for a paragraph or go straight to code): most turns 0-2 sentences,
+    one in five 10-14 sentences, drawn independently per turn, so the longest turn of each round is usually another
+    completion's. `turns="even"`: one length (0-6 sentences) for all the code turns of a kind, so the completion with
+    the longest turns is the longest at every turn and a per-turn barrier waits on the same completion each time.
+
+    Completions of a kind share their regexes, which matters twice: vLLM compiles each regex once and caches it
+    (compiling is engine time that is not the rollout's), and the server engine coalesces only requests with the same
+    sampling fields (in training every completion has the same; the forcing regex is this benchmark's artefact, so it
+    coalesces less than training would). The sandbox side (`Latencies`) turns each `work(kind)` into a cell that
+    really sleeps. Without prose (the comparison with TRL's loop), a code turn has a fixed sentence before its cell,
+    about as long as the tool call TRL's loop is forced to write (`TOOL_CALL`), and the answer is short."""
+    if turns not in ("long-tailed", "even"):
+        raise ValueError(f"turns must be 'long-tailed' or 'even', got {turns!r}")
     rng = random.Random(seed)
     texts = []
     for kind in range(1 if not prose else min(kinds, batch)):
         n_calls = calls or CALLS[kind % len(CALLS)]
         cell = f"<code>work({kind})</code>"
-        if prose:
-            code_turn = "Let me check this part " * rng.randint(0, 6) + cell
+        if not prose:
+            code_turns = ["I call the tool for this piece now, to see." + cell] * n_calls  # about as long as TOOL_CALL
+        elif turns == "even":
+            code_turns = ["Let me check this part " * rng.randint(0, 6) + cell] * n_calls
         else:
-            code_turn = "I call the tool for this piece now, to see." + cell  # about as long as TOOL_CALL
+            code_turns = [
+                "Let me check this part " * (rng.randint(10, 14) if rng.random() < 0.2 else rng.randint(0, 2)) + cell
+                for _ in range(n_calls)
+            ]
         extra = rng.randint(0, 3) if prose else 0
         # The last turn: an answer, which the regex ends with EOS.
         answer = "So " + "the checks agree and " * extra + f"the answer is \\boxed{{{extra}}}."
-        texts.append([code_turn] * n_calls + [answer])
+        texts.append([*code_turns, answer])
     rows = []
     for i in range(batch):
         kind = i % len(texts)
@@ -219,13 +234,24 @@ class ForcedColocateEngine(ColocateEngine):
         return params
 
 
-def colocated_llm(model_dir: Path):
+def colocated_llm(model_dir: Path, in_process: bool = True):
     """A vLLM `LLM` in this process with TRL's colocate settings, and the attributes of TRL's helper the colocate
-    engine reads (greedy)."""
+    engine reads (greedy).
+
+    As TRL builds it (`distributed_executor_backend="external_launcher"`, rank 0 of 1), the engine runs in this
+    process: `llm_engine.step()` schedules, runs the model and samples on the calling thread, beside the rollout's
+    snippet threads. `in_process=False` gives vLLM's default instead (the engine core in a process of its own), which
+    TRL's colocate mode does not use."""
     import types
 
+    from trl.trainer.utils import ensure_master_addr_port
     from vllm import LLM
 
+    kwargs = {}
+    if in_process:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        ensure_master_addr_port()
+        kwargs["distributed_executor_backend"] = "external_launcher"
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
@@ -234,6 +260,7 @@ def colocated_llm(model_dir: Path):
         max_num_batched_tokens=4096,
         logprobs_mode="processed_logprobs",
         seed=0,
+        **kwargs,
     )
     return types.SimpleNamespace(
         mode="colocate",

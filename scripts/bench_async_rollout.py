@@ -1,6 +1,6 @@
 """Async vs barrier rollout, and ReTool vs TRL's own `tools=` loop, on a real vLLM engine (server and colocated).
 
-A straggler workload, as real runs have: B completions, each with 2-4 code calls, turns of different lengths and
+A straggler workload, as real runs have: B completions, each with 2-4 code calls, long-tailed turn lengths and
 long-tailed snippet latencies (most a few ms, some 100-300 ms; the snippets really sleep, in the local sandbox).
 The policy text is forced with vLLM's structured outputs (a regex per turn), so every mode runs the same tokens through
 the same engine. The regex fixes the text, not its tokens: greedy decoding picks the tokenization, so `same_outputs`
@@ -18,11 +18,14 @@ the same engine. The regex fixes the text, not its tokens: greedy decoding picks
    Qwen3 tool-calling chat template and its special tokens, every turn forced to one tool call: the same number of
    calls per completion and the same latencies, in TRL's loop.
 
-`--engine server` runs them against TRL's vLLM server, `--engine colocate` against a vLLM `LLM` in this process driven
-request by request (as `vllm_mode: colocate` does), `--engine both` (the default) one after the other. Each figure is
-the median over `--runs` (at least 3) alternated rounds (one run of each mode per round; ratios are taken within a
-round), printed with its min-max; the JSON carries all three (`async_vs_barrier`, `async_vs_floor`,
-`trl_tools_vs_retool`, ... with `_min`/`_max`; the colocated engine's keys start with `colocate_`).
+`--engine server` runs them against TRL's vLLM server, `--engine colocate` against a vLLM `LLM` built as TRL's
+colocate mode builds it (`external_launcher`: the engine runs in this process) and driven request by request,
+`--engine both` (the default) one after the other. Turn lengths are long-tailed and drawn per turn (`--turns
+long-tailed`, the default), or one length for all code turns of a completion (`--turns even`), see `make_workload`.
+The model's forward runs on one thread (`OMP_NUM_THREADS=1` unless set), leaving the other cores to the loop and the
+sandbox. Each figure is the median over `--runs` (at least 3) alternated rounds (one run of each mode per round;
+ratios are taken within a round), printed with its min-max; the JSON carries all three (`async_vs_barrier`,
+`async_vs_floor`, `trl_tools_vs_retool`, ... with `_min`/`_max`; the colocated engine's keys start with `colocate_`).
 
 Run with the engines' environment (`bash scripts/test_engines.sh` builds it):
 
@@ -43,6 +46,10 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The model's forward gets one core and the rollout's loop, snippets and sandbox the rest, as on a GPU host, where the
+# forward does not take the host's cores. With the forward's threads on every core, each cell or loop wake-up stalls a
+# forward's spin-waiting threads (vLLM warns about multi-threaded torch ops when serving). Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import statistics  # noqa: E402
 
@@ -305,14 +312,38 @@ def main():
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=3, help="Alternated runs per figure (at least 3).")
+    parser.add_argument(
+        "--turns",
+        choices=("long-tailed", "even"),
+        default="long-tailed",
+        help="Turn lengths: drawn per turn, long-tailed (default), or one length for all code turns of a completion.",
+    )
+    parser.add_argument(
+        "--kinds",
+        type=int,
+        default=6,
+        help="Distinct completion texts (each with its own turn lengths); completions of a kind share their regexes.",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="Colocated engine: vLLM's engine core in a process of its own (TRL's colocate mode runs it in-process).",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-trl", action="store_true", help="Skip TRL's tools= loop.")
     args = parser.parse_args()
     if args.runs < 3:
         parser.error("--runs must be at least 3: one run cannot tell a change from noise")
 
-    summary = {"batch": args.batch, "runs": args.runs}
-    workload = make_workload(args.batch, args.seed)
+    summary = {
+        "batch": args.batch,
+        "runs": args.runs,
+        "turns": args.turns,
+        "kinds": args.kinds,
+        "engine_threads": int(os.environ["OMP_NUM_THREADS"]),
+        "colocate_in_process": not args.engine_process,
+    }
+    workload = make_workload(args.batch, args.seed, turns=args.turns, kinds=args.kinds)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         tokenizer = build_model(model_dir)
@@ -336,7 +367,7 @@ def main():
             finally:
                 server.stop()
         if args.engine in ("both", "colocate"):
-            helper = colocated_llm(model_dir)
+            helper = colocated_llm(model_dir, in_process=not args.engine_process)
             try:
                 results, seconds, cpu = retool_modes(helper, tokenizer, workload, args.max_len, args.runs)
             finally:
