@@ -527,37 +527,3 @@ def test_a_jail_still_setting_up_does_not_hold_a_cpu_slot(monkeypatch):
     assert other.ok and other.output == "1\n"
     assert other_s < 0.3, other_s
     assert done["fresh"].ok and done["fresh"].output == "set up\n"
-
-
-def test_no_cpu_slot_is_held_through_the_round_trip_for_a_jail(monkeypatch):
-    """Stands for a zygote slowed down (forking a reserve on a machine that a vLLM server keeps busy): a first call's
-    round trip for its jail takes long. Its thread holds no CPU slot meanwhile, so another thread's cell runs at once;
-    with the only slot held through the round trip, the other waited for it (measured in an async rollout: round
-    trips of up to 2.3 s, and every other thread in line behind the two slots)."""
-    from retool_trl.sandbox import local
-
-    open_jails = local.LocalSandbox.open_jails
-
-    def open_slowly(self, sessions):
-        time.sleep(0.6)
-        return open_jails(self, sessions)
-
-    with LocalSandbox(num_workers=1, timeout_s=10.0, preload=()) as sb:
-        warm, fresh = sb.session(), sb.session()
-        assert warm.run("x = 1").ok
-        monkeypatch.setattr(local.LocalSandbox, "open_jails", open_slowly)
-        done = {}
-
-        def first_call():
-            done["fresh"] = fresh.run("print('jailed')")
-
-        thread = threading.Thread(target=first_call)
-        thread.start()
-        time.sleep(0.15)  # the fresh session's thread is in its round trip to the zygote
-        start = time.monotonic()
-        other = warm.run("print(x)")
-        other_s = time.monotonic() - start
-        thread.join(10)
-    assert other.ok and other.output == "1\n"
-    assert other_s < 0.3, other_s
-    assert done["fresh"].ok and done["fresh"].output == "jailed\n"

@@ -305,54 +305,33 @@ class Batch:
                 batch.append(session)
             line.claimed += len(batch)
         self.ready.extend(elsewhere)
-        # Sessions with no jail yet give their slots back for the round trip to the zygote that gets them one (not
-        # the cell's CPU work), and ask again with it. Held through it, while the zygote was slow (forking a reserve
-        # on a machine kept busy by a vLLM server), two slots made every other thread of an async rollout wait: round
-        # trips of up to 2.3 s, 109 thread-seconds in line in one rollout.
-        fresh = [s for s in batch if s._proc is None]
-        if fresh:
-            batch = [s for s in batch if s._proc is not None]
-            line.release_claims(len(fresh))
         if batch or self.running:
             line.leave_line(self)
-        elif fresh:
-            pass  # keeps its place in line (if it has one): it asks again as soon as the jails are there
         elif busy >= self.sandbox.num_workers:
             line.wait_in_line(self, ADMIT_WAIT_S)  # every slot taken: wait in line for one
         else:
             line.leave_line(self)  # only sessions busy in other threads' batches: do not hold up the line for them
             time.sleep(ADMIT_WAIT_S)
-        if fresh:
-            self._open_jails(fresh)
         try:
             self._start_cells(batch)
         finally:
             line.release_claims(len(batch))
 
-    def _open_jails(self, fresh: list) -> None:
-        """Gives sessions a jail each (one round trip to the zygote), with no CPU slot held; they go back to the
-        front of the line of this batch's ready sessions, or get an infrastructure error when no jail came."""
-        try:
-            errors = self.sandbox.open_jails(fresh)
-        except BaseException:
-            for session in fresh:
-                session._in_use.release()
-            raise
-        for session, error in reversed(list(zip(fresh, errors))):
-            session._in_use.release()
-            if error:
-                session._mark_broken("infrastructure error")
-                self.results[self.queues[session][0]] = ExecResult(
-                    error, ok=False, timed_out=False, duration_s=0.0, infra_error=True
-                )
-                self._advance(session)
-            else:
-                self.ready.appendleft(session)
-
     def _start_cells(self, batch: list) -> None:
-        """Sends each admitted session (each has its jail) its cell."""
+        """Gives the admitted sessions that have none a jail (one round trip to the zygote), then sends each its
+        cell."""
+        fresh = [s for s in batch if s._proc is None]
+        errors = dict(zip(fresh, self.sandbox.open_jails(fresh))) if fresh else {}
         for session in batch:
             index = self.queues[session][0]
+            if errors.get(session):
+                session._in_use.release()
+                session._mark_broken("infrastructure error")
+                self.results[index] = ExecResult(
+                    errors[session], ok=False, timed_out=False, duration_s=0.0, infra_error=True
+                )
+                self._advance(session)
+                continue
             if self._setting_up(session):
                 # Its jail was handed out before it finished setting up (a reserve the machine had no CPU for):
                 # give the slot back and ask again once it is set up. Held through the set-up, with an engine
