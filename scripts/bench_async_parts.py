@@ -113,8 +113,9 @@ def make_workload(
     The prose before each cell is drawn per kind and per turn. `turns="long-tailed"` (the default, as in real
     multi-turn reasoning, where a turn may think for a paragraph or go straight to code): most turns 0-2 sentences,
     one in five 10-14 sentences, drawn independently per turn, so the longest turn of each round is usually another
-    completion's. `turns="even"`: one length (0-6 sentences) for all the code turns of a kind, so the completion with
-    the longest turns is the longest at every turn and a per-turn barrier waits on the same completion each time.
+    completion's. `turns="even"`: one length (0-6 sentences) for all the code turns of a kind (the workload before
+    turn lengths were drawn per turn), so a per-turn barrier mostly waits on the same long completion. Both give the
+    same answers and snippet latencies for a seed.
 
     Completions of a kind share their regexes, which matters twice: vLLM compiles each regex once and caches it
     (compiling is engine time that is not the rollout's), and the server engine coalesces only requests with the same
@@ -124,20 +125,29 @@ def make_workload(
     about as long as the tool call TRL's loop is forced to write (`TOOL_CALL`), and the answer is short."""
     if turns not in ("long-tailed", "even"):
         raise ValueError(f"turns must be 'long-tailed' or 'even', got {turns!r}")
+    if kinds < 1:
+        raise ValueError(f"kinds must be at least 1, got {kinds}")
     rng = random.Random(seed)
+    # The long-tailed lengths come from a generator of their own, so that both `turns` give the same answers and
+    # snippet latencies for a seed: only the code turns' lengths differ between them.
+    lengths = random.Random(f"turn lengths {seed}")
     texts = []
     for kind in range(1 if not prose else min(kinds, batch)):
         n_calls = calls or CALLS[kind % len(CALLS)]
         cell = f"<code>work({kind})</code>"
         if not prose:
             code_turns = ["I call the tool for this piece now, to see." + cell] * n_calls  # about as long as TOOL_CALL
-        elif turns == "even":
-            code_turns = ["Let me check this part " * rng.randint(0, 6) + cell] * n_calls
         else:
-            code_turns = [
-                "Let me check this part " * (rng.randint(10, 14) if rng.random() < 0.2 else rng.randint(0, 2)) + cell
-                for _ in range(n_calls)
-            ]
+            even = rng.randint(0, 6)
+            sentences = (
+                [even] * n_calls
+                if turns == "even"
+                else [
+                    lengths.randint(10, 14) if lengths.random() < 0.2 else lengths.randint(0, 2)
+                    for _ in range(n_calls)
+                ]
+            )
+            code_turns = ["Let me check this part " * n + cell for n in sentences]
         extra = rng.randint(0, 3) if prose else 0
         # The last turn: an answer, which the regex ends with EOS.
         answer = "So " + "the checks agree and " * extra + f"the answer is \\boxed{{{extra}}}."

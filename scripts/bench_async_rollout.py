@@ -26,8 +26,9 @@ The model's forward runs on one thread (`OMP_NUM_THREADS=1` unless set), leaving
 sandbox. Each figure is the median over `--runs` (at least 3) alternated rounds (one run of each mode per round;
 ratios are taken within a round), printed with its min-max; the JSON carries all three (`async_vs_barrier`,
 `async_vs_floor`, `trl_tools_vs_retool`, ... with `_min`/`_max`; the colocated engine's keys start with `colocate_`).
-`barrier_vs_floor` (barrier wall / floor wall) bounds `async_vs_barrier`: no rollout of these tokens can beat the
-floor, so where generating them is most of the barrier's time, async has little to win.
+`barrier_vs_floor` (barrier wall / floor wall) is an upper bound on `async_vs_barrier`: no rollout of these tokens
+beats the floor (which also skips the interpreter tokens and the forcing regex), so where generating them is most of
+the barrier's time, async has little to win.
 
 Run with the engines' environment (`bash scripts/test_engines.sh` builds it):
 
@@ -175,13 +176,14 @@ def same_outputs(results) -> bool:
     )
 
 
-def engine_summary(prefix, results, seconds, client_cpu, workload) -> dict:
-    """Per-run ratios (one per alternated round): barrier/async and async/floor, median and min-max, with the wall
-    times."""
+def engine_summary(prefix, results, seconds, client_cpu, workload) -> tuple[dict, dict, dict]:
+    """Per-run ratios (one per alternated round): barrier/async, async/floor and barrier/floor, median and min-max,
+    with the wall times."""
     ratio = spread([b / a for b, a in zip(seconds["barrier"], seconds["async"], strict=True)])
     floor = spread([a / f for a, f in zip(seconds["async"], seconds["floor"], strict=True)])
-    # The most any rollout of these tokens could gain over the barrier: the same tokens with no snippets and no turns.
-    ceiling = spread([b / f for b, f in zip(seconds["barrier"], seconds["floor"], strict=True)])
+    # An upper bound on what any rollout of these tokens could gain over the barrier: the floor generates them with
+    # no snippets, no turns, no interpreter tokens and no forcing regex.
+    headroom = spread([b / f for b, f in zip(seconds["barrier"], seconds["floor"], strict=True)])
     ours = results["async"]
     summary = {
         f"{prefix}async_vs_barrier": ratio["median"],
@@ -190,9 +192,9 @@ def engine_summary(prefix, results, seconds, client_cpu, workload) -> dict:
         f"{prefix}async_vs_floor": floor["median"],
         f"{prefix}async_vs_floor_min": floor["min"],
         f"{prefix}async_vs_floor_max": floor["max"],
-        f"{prefix}barrier_vs_floor": ceiling["median"],
-        f"{prefix}barrier_vs_floor_min": ceiling["min"],
-        f"{prefix}barrier_vs_floor_max": ceiling["max"],
+        f"{prefix}barrier_vs_floor": headroom["median"],
+        f"{prefix}barrier_vs_floor_min": headroom["min"],
+        f"{prefix}barrier_vs_floor_max": headroom["max"],
         f"{prefix}same_outputs": same_outputs(results),
         f"{prefix}barrier_seconds": statistics.median(seconds["barrier"]),
         f"{prefix}async_seconds": statistics.median(seconds["async"]),
@@ -208,7 +210,7 @@ def engine_summary(prefix, results, seconds, client_cpu, workload) -> dict:
         f"{prefix}snippet_seconds_total": sum(sum(row["latencies"]) for row in workload),
         f"{prefix}snippet_exec_seconds_total": sum(ours.exec_seconds),
     }
-    ratios = {"async_vs_barrier": ratio, "async_vs_floor": floor, "barrier_vs_floor": ceiling}
+    ratios = {"async_vs_barrier": ratio, "async_vs_floor": floor, "barrier_vs_floor": headroom}
     return summary, ratios, {m: spread(v) for m, v in seconds.items()}
 
 
@@ -308,10 +310,10 @@ def print_engine(title, ratios, walls):
     ratio, floor = ratios["async_vs_barrier"], ratios["async_vs_floor"]
     print(f"{title}: barrier/async {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
     print(f"  async/floor {floor['median']:.2f} (min {floor['min']:.2f}, max {floor['max']:.2f})")
-    ceiling = ratios["barrier_vs_floor"]
+    headroom = ratios["barrier_vs_floor"]
     print(
-        f"  barrier/floor {ceiling['median']:.2f} (min {ceiling['min']:.2f}, max {ceiling['max']:.2f}): the most any "
-        "rollout of these tokens could gain over the barrier"
+        f"  barrier/floor {headroom['median']:.2f} (min {headroom['min']:.2f}, max {headroom['max']:.2f}): an upper "
+        "bound on what any rollout of these tokens could gain over the barrier"
     )
     for mode in ("barrier", "async", "floor"):
         w = walls[mode]
@@ -347,14 +349,15 @@ def main():
     args = parser.parse_args()
     if args.runs < 3:
         parser.error("--runs must be at least 3: one run cannot tell a change from noise")
+    if args.kinds < 1:
+        parser.error("--kinds must be at least 1")
 
-    summary = {
+    summary = {  # `turns` (without a prefix) is the server's count of turns, hence `turn_lengths`
         "batch": args.batch,
         "runs": args.runs,
-        "turns": args.turns,
+        "turn_lengths": args.turns,
         "kinds": args.kinds,
-        "engine_threads": int(os.environ["OMP_NUM_THREADS"]),
-        "colocate_in_process": not args.engine_process,
+        "engine_threads": os.environ["OMP_NUM_THREADS"],
     }
     workload = make_workload(args.batch, args.seed, turns=args.turns, kinds=args.kinds)
     with tempfile.TemporaryDirectory() as tmp:
@@ -381,10 +384,12 @@ def main():
                 server.stop()
         if args.engine in ("both", "colocate"):
             helper = colocated_llm(model_dir, in_process=not args.engine_process)
+            summary["colocate_in_process"] = not args.engine_process
             try:
                 results, seconds, cpu = retool_modes(helper, tokenizer, workload, args.max_len, args.runs)
             finally:
-                helper.llm.llm_engine.engine_core.shutdown()  # its engine-core process, or the exit waits on it
+                # The engine core (its process with --engine-process, or the exit waits on it).
+                helper.llm.llm_engine.engine_core.shutdown()
             part, ratio, walls = engine_summary("colocate_", results, seconds, cpu, workload)
             summary.update(part)
             print_engine("vLLM colocated (request-level API)", ratio, walls)
