@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,15 +17,8 @@ from retool_trl.data.synthetic import make_arithmetic_dataset
 from retool_trl.quickstart import model_path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _launcher():
-    """`scripts/vllm_serve.py` as a module (scripts/ is not a package): its `local_command` starts the server."""
-    spec = importlib.util.spec_from_file_location("vllm_serve", REPO / "scripts" / "vllm_serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package; as test_gpu_check.py imports its modules
+from vllm_serve import local_command  # noqa: E402 - stdlib-only at import: no vLLM needed to import the helpers
 
 MAX_LEN = 64
 
@@ -79,7 +72,7 @@ class VLLMServer:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
-        command = _launcher().local_command(model, self.port, max_model_len=512)
+        command = local_command(model, self.port, max_model_len=512)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() ends the server and the engine core it spawns, nothing else.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
