@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 # Lazy exports: `import retool_trl.sandbox` (used inside sandbox workers) must not pull in torch and TRL.
-_EXPORTS = {"ReToolConfig": ".config", "ReToolTrainer": ".trainer", "quickstart_model_path": ".names"}
+_EXPORTS = {"ReToolConfig": ".config", "ReToolTrainer": ".trainer", "quickstart_model_path": ".models.names"}
 
 if TYPE_CHECKING:
     from .config import ReToolConfig
-    from .names import quickstart_model_path
+    from .models.names import quickstart_model_path
     from .trainer import ReToolTrainer
 
 

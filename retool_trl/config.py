@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
+from .format.prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
-from .prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 from .sandbox.cell_limits import ERROR_FORMATS
 
 

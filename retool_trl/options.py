@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .prompts import SYSTEM_PROMPTS, Tags
+from .format.prompts import SYSTEM_PROMPTS, Tags
 from .sandbox.cell_limits import ERROR_FORMATS
 
 TRUNCATION_SIDES = ("head", "tail", "middle")

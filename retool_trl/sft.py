@@ -24,7 +24,7 @@ import copy
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from .parsing import Tags
+from .format.parsing import Tags
 
 
 def split_environment_spans(completion: str, tags: Tags = Tags()) -> list[tuple[str, bool]]:

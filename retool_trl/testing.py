@@ -4,13 +4,13 @@
   it only on code you trust), with forced outputs per snippet;
 - [`ScriptedBackend`]: a generation backend that "writes" fixed texts token by token, as a model would.
 
-    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
     from retool_trl.testing import FakeSandbox, ScriptedBackend
 
     backend = ScriptedBackend(tokenizer, ["<code>print(6*7)</code>So \\boxed{42}."])
     result = interleaved_rollout([prompt_ids], backend, FakeSandbox(), tokenizer, RolloutSpec(64, [eos_id]))
 
-Neither imports torch. Tiny models to run for real are in `retool_trl.tiny`.
+Neither imports torch. Tiny models to run for real are in `retool_trl.models.tiny`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import io
 import time
 from collections.abc import Sequence
 
+from .rollout.types import TurnOutput
 from .sandbox.base import ExecResult
-from .types import TurnOutput
 
 
 class ScriptedBackend:

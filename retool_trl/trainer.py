@@ -19,21 +19,21 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 
-from .async_rollout import async_rollout
-from .colocate_engine import ColocateEngine
 from .config import ReToolConfig
 from .errors import UserError
-from .generation import TransformersBackend
-from .metrics import rollout_metrics
-from .names import resolve_model
-from .parsing import Tags, with_system_prompt
-from .rewards import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
-from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
+from .format.parsing import Tags, with_system_prompt
+from .models.names import resolve_model
+from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
+from .rewards.functions import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
+from .rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
+from .rollout.engines.transformers_generate import TransformersBackend
+from .rollout.engines.vllm_batched import VLLMBackend, use_reload_weights_on_cpu
+from .rollout.engines.vllm_colocate import ColocateEngine
+from .rollout.engines.vllm_server import server_engine_from_config
+from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
-from .server_engine import server_engine_from_config
-from .stability import dropped_from_loss, resample_on_correct, select_rows
-from .tokenizer_checks import declares_generic_tokenizer, load_tokenizer
-from .vllm_backend import VLLMBackend, use_reload_weights_on_cpu
+from .training.metrics import rollout_metrics
+from .training.stability import dropped_from_loss, resample_on_correct, select_rows
 
 
 class ReToolTrainer(GRPOTrainer):

@@ -49,7 +49,7 @@ def plot(histories: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from retool_trl.plotting import save_figure
+    from retool_trl.reporting.plotting import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     for index, (name, history) in enumerate(histories.items()):

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 from vllm_serve import local_command
 
-from retool_trl.async_rollout import CompletionsEngine
-from retool_trl.colocate_engine import ColocateEngine
+from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
+from retool_trl.rollout.per_completion import CompletionsEngine
 
 CALLS = (2, 3, 4)
 TOOL_CALL = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'

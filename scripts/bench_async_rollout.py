@@ -70,8 +70,8 @@ from bench_async_parts import (  # noqa: E402
     spread,
 )
 
-from retool_trl.async_rollout import async_rollout  # noqa: E402
-from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout.per_completion import async_rollout  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 
 

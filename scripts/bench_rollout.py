@@ -38,14 +38,14 @@ from transformers import LogitsProcessorList  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from retool_trl import ReToolConfig, ReToolTrainer  # noqa: E402
-from retool_trl.parsing import format_interpreter_block  # noqa: E402
-from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.tiny import (  # noqa: E402
+from retool_trl.format.parsing import format_interpreter_block  # noqa: E402
+from retool_trl.models.tiny import (  # noqa: E402
     ScriptForcingProcessor,
     build_char_tokenizer,
     build_tiny_model,
     script_turns,
 )
+from retool_trl.sandbox import LocalSandbox  # noqa: E402
 
 NATIVE_TOOLS_NOTE = (
     "TRL's native tools= loop is not measured: it needs a chat template with tool-call rendering and response "

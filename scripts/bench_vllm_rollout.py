@@ -57,9 +57,9 @@ def bench_vllm(args) -> None:
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.data.synthetic import make_arithmetic_dataset
     from retool_trl.quickstart import model_path
-    from retool_trl.rollout import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout.engines.vllm_batched import VLLMBackend
     from retool_trl.sandbox import LocalSandbox
-    from retool_trl.vllm_backend import VLLMBackend
 
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     dataset = make_arithmetic_dataset(args.batch, seed=3)

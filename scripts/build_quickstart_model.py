@@ -18,9 +18,9 @@ from dataclasses import asdict
 import torch
 
 from retool_trl.data.synthetic import make_sft_traces
+from retool_trl.models.tiny import build_char_tokenizer, build_tiny_model
 from retool_trl.quickstart import QUICKSTART_MODEL_DIR, QuickstartTask
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
-from retool_trl.tiny import build_char_tokenizer, build_tiny_model
 
 
 def parse_args() -> argparse.Namespace:

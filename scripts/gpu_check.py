@@ -247,8 +247,8 @@ def build_trainer(cli, shape: dict, tmp: Path):
     from transformers import LogitsProcessorList
 
     from retool_trl import ReToolConfig, ReToolTrainer
-    from retool_trl.generation import TransformersBackend
-    from retool_trl.tiny import ScriptForcingProcessor, script_turns
+    from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
+    from retool_trl.rollout.engines.transformers_generate import TransformersBackend
     from testing_utils import ramp_reward
 
     on_gpu = cli.device == "cuda"

@@ -15,7 +15,7 @@ def build_tokenizer(bpe_tokens: int):
     from transformers import PreTrainedTokenizerFast
     from trl.chat_template_utils import qwen2_5_chat_template
 
-    from retool_trl.prompts import Tags
+    from retool_trl.format.prompts import Tags
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: (not (" " <= c <= "~"), ord(c)))
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}

@@ -4,8 +4,8 @@ so the same check runs on CUDA in fp32 and bf16. Imports no pytest."""
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from retool_trl.generation import TransformersBackend
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 from retool_trl.testing import FakeSandbox
 
 KEY = 3  # prompts differ in their first KEY tokens, which is how the forcing processor finds each row's script

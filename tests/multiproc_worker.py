@@ -26,9 +26,9 @@ from nccl_harness import nccl_faithful  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
 
 from retool_trl import ReToolConfig, ReToolTrainer  # noqa: E402
-from retool_trl.generation import TransformersBackend  # noqa: E402
+from retool_trl.models.tiny import ScriptForcingProcessor, save_tiny_model, script_turns  # noqa: E402
+from retool_trl.rollout.engines.transformers_generate import TransformersBackend  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.tiny import ScriptForcingProcessor, save_tiny_model, script_turns  # noqa: E402
 from testing_utils import make_char_tokenizer  # noqa: E402
 
 CODE_SCRIPT = "Compute.<code>x = {a} * 3\nprint(x)</code>Add.<code>print(x + 1)</code>So \\boxed{{{b}}}."

@@ -8,12 +8,12 @@ import time
 import httpx
 import pytest
 
-from retool_trl.async_rollout import CompletionsEngine, EngineError, async_rollout
-from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.rewards.functions import boxed_accuracy
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
+from retool_trl.rollout.types import TurnOutput
 from retool_trl.sandbox import ExecResult, LocalSandbox
 from retool_trl.testing import ScriptedBackend
-from retool_trl.types import TurnOutput
 from testing_utils import make_char_tokenizer
 
 TOKENIZER = make_char_tokenizer()
@@ -246,8 +246,8 @@ def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
     from datasets import Dataset
 
     from retool_trl import ReToolConfig, ReToolTrainer
+    from retool_trl.models.tiny import save_tiny_model
     from retool_trl.testing import FakeSandbox
-    from retool_trl.tiny import save_tiny_model
     from testing_utils import FakeVLLMGeneration
 
     class Logprobs(AsyncScripted):  # vLLM-style sampling logprobs: -token/1000, to check alignment
@@ -323,7 +323,7 @@ def test_local_sandbox_serves_many_threads_at_once():
 def test_a_refused_request_is_raised_not_dropped():
     """HTTP 4xx (context past the server's length, an unknown field) is a configuration error: the rollout stops
     and says so, rather than quietly dropping the rows from the loss as infrastructure failures."""
-    from retool_trl.async_rollout import EngineRequestError
+    from retool_trl.rollout.per_completion import EngineRequestError
     from retool_trl.testing import FakeSandbox
 
     engine = CompletionsEngine(

@@ -15,8 +15,8 @@ from retool_trl.cli import eval as cli_eval
 from retool_trl.cli import main
 from retool_trl.cli import sft as cli_sft
 from retool_trl.cli import train as cli_train
-from retool_trl.parsing import remove_spans
-from retool_trl.tokenizer_checks import load_tokenizer
+from retool_trl.format.parsing import remove_spans
+from retool_trl.models.tokenizers import load_tokenizer
 from testing_utils import make_char_tokenizer, make_closed_vocab_tokenizer, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def test_console_dicts_keeps_trls_log_dicts(work, tmp_path):
     """`console: dicts` is the explicit way back to transformers' own console (a log dict per logging step)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from retool_trl.console import CompactProgressCallback
+    from retool_trl.reporting.console import CompactProgressCallback
 
     def console_callbacks(*extra):
         trainer = cli_train.build_train(["--config", train_config(work, tmp_path), *extra])

@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_turn_engines import EOS, TOKENIZER, Script, ids_of
 
-from retool_trl.async_rollout import CompletionsEngine, EngineRequestError, async_rollout
-from retool_trl.rollout import RolloutSpec
+from retool_trl.rollout.batched import RolloutSpec
+from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.testing import FakeSandbox
 
 SPEC = RolloutSpec(max_completion_length=300, eos_token_ids=[EOS], max_tool_calls=3)

@@ -12,9 +12,9 @@ import types
 import pytest
 from test_async_rollout import SCRIPTS, ThreadSafeSandbox
 
-from retool_trl.async_rollout import async_rollout
-from retool_trl.colocate_engine import ColocateEngine
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
+from retool_trl.rollout.per_completion import async_rollout
 from retool_trl.testing import ScriptedBackend
 from testing_utils import make_char_tokenizer
 

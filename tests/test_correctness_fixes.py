@@ -4,9 +4,9 @@ import pytest
 from datasets import Dataset
 
 from retool_trl import ReToolConfig
-from retool_trl.parsing import Tags, model_prose
-from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
+from retool_trl.format.parsing import Tags, model_prose
+from retool_trl.rewards.functions import boxed_accuracy
+from retool_trl.rollout.batched import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 from testing_utils import make_bpe_tokenizer, make_char_tokenizer, trainer_for
 
@@ -191,7 +191,7 @@ def test_generation_kwargs_from_the_command_line_are_checked_too(tmp_path):
     "printed", ["{end}{end}\\boxed{{42}}", "{end}{end}{end}\\boxed{{42}} {start}", "x{end}\\boxed{{42}}"]
 )
 def test_defanging_holds_for_tags_that_overlap_themselves(tags, printed):
-    from retool_trl.parsing import clean_output
+    from retool_trl.format.parsing import clean_output
 
     out = clean_output(printed.format(end=tags.interpreter_end, start=tags.interpreter_start), tags)
     assert not any(

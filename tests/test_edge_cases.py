@@ -5,13 +5,13 @@ import torch
 from transformers import GenerationConfig
 
 from retool_trl import ReToolConfig
-from retool_trl.generation import TransformersBackend
-from retool_trl.inference import eos_token_ids_of
-from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.evaluation.inference import eos_token_ids_of
+from retool_trl.rewards.functions import boxed_accuracy
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.engines.transformers_generate import TransformersBackend
+from retool_trl.rollout.engines.vllm_batched import VLLMBackend
+from retool_trl.rollout.types import TurnOutput
 from retool_trl.sandbox import ExecResult
-from retool_trl.types import TurnOutput
-from retool_trl.vllm_backend import VLLMBackend
 from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,

@@ -20,11 +20,11 @@ from engine_helpers import (  # noqa: E402
 from trl.generation.vllm_client import VLLMClient  # noqa: E402
 
 from retool_trl import ReToolTrainer  # noqa: E402
-from retool_trl.generation import TransformersBackend  # noqa: E402
 from retool_trl.quickstart import model_path  # noqa: E402
-from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout.engines.transformers_generate import TransformersBackend  # noqa: E402
+from retool_trl.rollout.engines.vllm_batched import VLLMBackend  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
-from retool_trl.vllm_backend import VLLMBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,8 @@ def test_colocate_greedy_rollout_equals_transformers(colocate_trainer, tokenizer
 
 # Before the tests below train and perturb the shared engine's weights (the quickstart model must still call code).
 def greedy_colocate_async(helper, tokenizer, sandbox, prompts, spec):
-    from retool_trl.async_rollout import async_rollout
-    from retool_trl.colocate_engine import ColocateEngine
+    from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
+    from retool_trl.rollout.per_completion import async_rollout
 
     saved, helper.temperature = helper.temperature, 0.0
     try:
@@ -252,7 +252,7 @@ def server_trainer(server, tokenizer, sandbox, tmp_path_factory):
 
 
 def greedy_engine(server, tokenizer, transport=None, coalesce=True):
-    from retool_trl.async_rollout import CompletionsEngine
+    from retool_trl.rollout.per_completion import CompletionsEngine
 
     return CompletionsEngine(
         server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0}, transport=transport, coalesce=coalesce
@@ -275,7 +275,7 @@ class SleepsFirst:
 
 @pytest.mark.parametrize("snippet_timeout", [False, True], ids=["ok", "snippet-timeout"])
 def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet_timeout):
-    from retool_trl.async_rollout import async_rollout
+    from retool_trl.rollout.per_completion import async_rollout
 
     spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
     prompts = prompt_ids_of(tokenizer, n=12, seed=4)
@@ -290,7 +290,7 @@ def test_async_rollout_equals_barrier(server, server_trainer, tokenizer, snippet
 def test_coalesced_requests_equal_one_request_per_turn(server, tokenizer, sandbox):
     """On vLLM's own server, the turns ready at once sent as one streamed request with a list of prompts give the
     completions of one plain request per turn (ids, masks, log-probs, reward kwargs) from fewer requests."""
-    from retool_trl.async_rollout import async_rollout
+    from retool_trl.rollout.per_completion import async_rollout
 
     spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
     prompts = prompt_ids_of(tokenizer, n=12, seed=4)
@@ -310,8 +310,8 @@ def test_async_rollout_dropped_connection_is_infrastructure(server, tokenizer, c
     rows' first turns), so the rows that start later all fail."""
     import httpx
 
-    from retool_trl.async_rollout import async_rollout
-    from retool_trl.rewards import boxed_accuracy
+    from retool_trl.rewards.functions import boxed_accuracy
+    from retool_trl.rollout.per_completion import async_rollout
     from retool_trl.testing import FakeSandbox
 
     class DropsAfter(httpx.AsyncHTTPTransport):
@@ -397,8 +397,8 @@ def test_colocate_async_trains_with_lora(tmp_path, tokenizer, sandbox):
     to_after, to_before = (engine - after).abs().mean().item(), (engine - before).abs().mean().item()
     assert to_after < 0.1 and to_after < to_before / 4, (to_after, to_before)
     # ...and the async loop samples from it (temperature 1): its sampling log-probs are the adapted policy's.
-    from retool_trl.async_rollout import async_rollout
-    from retool_trl.colocate_engine import ColocateEngine
+    from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
+    from retool_trl.rollout.per_completion import async_rollout
 
     prompts = prompt_ids_of(tokenizer, n=4, seed=7)
     result = async_rollout(prompts, ColocateEngine(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)

@@ -8,9 +8,9 @@ import pytest
 
 from retool_trl.cli.eval import parse_eval_args
 from retool_trl.errors import UserError
-from retool_trl.inference import tokenize_prompts
+from retool_trl.evaluation.inference import tokenize_prompts
+from retool_trl.models.tokenizers import load_tokenizer
 from retool_trl.testing import FakeSandbox
-from retool_trl.tokenizer_checks import load_tokenizer
 from testing_utils import make_char_tokenizer, trainer_for
 
 # A template that, like Qwen3's, renders differently with `enable_thinking` (default: thinking on).

@@ -2,8 +2,8 @@
 
 import pytest
 
-from retool_trl.parsing import Tags, extract_code, last_boxed, model_prose, remove_spans
-from retool_trl.rewards import boxed_accuracy, final_answer, is_equivalent
+from retool_trl.format.parsing import Tags, extract_code, last_boxed, model_prose, remove_spans
+from retool_trl.rewards.functions import boxed_accuracy, final_answer, is_equivalent
 
 
 @pytest.mark.parametrize(

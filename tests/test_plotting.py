@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import retool_trl.plotting as plotting
+import retool_trl.reporting.plotting as plotting
 from retool_trl.cli import main
 
 
@@ -97,7 +97,7 @@ def test_plot_of_a_quickstart_folder(quickstart_dir, figures, capsys):
 
 def test_quickstart_figure_has_title_labels_and_markers(quickstart_dir, figures):
     from retool_trl.quickstart.arithmetic import ARITHMETIC_PANELS
-    from retool_trl.run_logs import load_log_history
+    from retool_trl.reporting.run_logs import load_log_history
 
     summary = json.loads((quickstart_dir / "summary.json").read_text())
     histories = {name: load_log_history(quickstart_dir / name) for name in ("tool_rl", "text_rl")}

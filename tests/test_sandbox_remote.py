@@ -399,7 +399,7 @@ def test_same_cells_same_results_as_local(server, name):
 def test_a_cell_that_kills_itself_is_not_the_sandboxs_failure(server):
     """Reward hacking: a cell that SIGKILLs its own process must not look like an outage, or the completion would
     be left unscored (no -1) every time the policy writes a wrong answer followed by that cell."""
-    from retool_trl.rollout import _Row, run_cells
+    from retool_trl.rollout.batched import _Row, run_cells
 
     with RemoteSandbox(server.url, timeout_s=5.0) as sb:
         r = sb.session().run("print('wrong')\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")

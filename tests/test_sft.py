@@ -4,7 +4,7 @@ from datasets import Dataset
 from trl import SFTConfig
 
 from retool_trl.data.synthetic import make_sft_traces
-from retool_trl.parsing import Tags
+from retool_trl.format.parsing import Tags
 from retool_trl.quickstart import build_char_tokenizer, build_tiny_model
 from retool_trl.sft import build_sft_dataset, build_sft_trainer, split_environment_spans, tokenize_trace
 

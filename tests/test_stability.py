@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from retool_trl import ReToolConfig
-from retool_trl.rewards import boxed_accuracy, tool_use_shaping
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
+from retool_trl.rewards.functions import boxed_accuracy, tool_use_shaping
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
-from retool_trl.stability import resample_on_correct
+from retool_trl.training.stability import resample_on_correct
 from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, trainer_for
 
 TOKENIZER = make_char_tokenizer()

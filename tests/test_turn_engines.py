@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from retool_trl import ReToolConfig
-from retool_trl.async_rollout import CompletionsEngine, EngineError, async_rollout
-from retool_trl.rewards import boxed_accuracy
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.server_engine import server_engine_from_config
+from retool_trl.rewards.functions import boxed_accuracy
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.engines.vllm_batched import VLLMBackend
+from retool_trl.rollout.engines.vllm_server import server_engine_from_config
+from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
 from retool_trl.testing import FakeSandbox
-from retool_trl.vllm_backend import VLLMBackend
 from testing_utils import make_char_tokenizer
 
 TOKENIZER = make_char_tokenizer(extra_chars="#")

@@ -247,7 +247,7 @@ def test_help_into_a_closed_pipe_is_quiet():
 def test_legacy_hub_ids_without_an_organisation_are_accepted():
     """`gpt2`, `distilgpt2`: hub ids transformers and TRL accept; only near misses of shipped names are refused."""
     from retool_trl.errors import UserError
-    from retool_trl.names import resolve_model
+    from retool_trl.models.names import resolve_model
 
     assert resolve_model("gpt2") == "gpt2" and resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     with pytest.raises(UserError, match="did you mean 'quickstart'"):

@@ -7,8 +7,8 @@ import torch
 from datasets import Dataset
 
 from retool_trl import ReToolConfig
-from retool_trl.rollout import RolloutSpec, interleaved_rollout
-from retool_trl.vllm_backend import VLLMBackend, first_stop
+from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.engines.vllm_batched import VLLMBackend, first_stop
 from testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
@@ -122,7 +122,7 @@ def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
 
 
 def test_stop_is_per_row_so_rows_without_calls_left_cost_no_extra_engine_call():
-    from retool_trl.metrics import rollout_metrics
+    from retool_trl.training.metrics import rollout_metrics
 
     tokenizer = make_char_tokenizer()
     scripts = [

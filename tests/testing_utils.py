@@ -9,10 +9,8 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from retool_trl.prompts import Tags
-from retool_trl.rollout import RolloutResult
-from retool_trl.testing import FakeSandbox, ScriptedBackend
-from retool_trl.tiny import (
+from retool_trl.format.prompts import Tags
+from retool_trl.models.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
     ScriptForcingProcessor,
@@ -21,6 +19,8 @@ from retool_trl.tiny import (
     save_tiny_model,
     script_turns,
 )
+from retool_trl.rollout.batched import RolloutResult
+from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 __all__ = [
     "MASK_LOSS_TYPES",
@@ -87,7 +87,7 @@ def make_bpe_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 40
 
 
 def make_char_tokenizer(extra_chars: str = ""):
-    """The package's character-level tokenizer ([`~retool_trl.tiny.build_char_tokenizer`]): byte-level, so every
+    """The package's character-level tokenizer ([`~retool_trl.models.tiny.build_char_tokenizer`]): byte-level, so every
     character (`extra_chars` included) is representable."""
     return build_char_tokenizer()
 

@@ -39,17 +39,19 @@ CHAT_TEMPLATE_PATH_HELP = (
 
 
 def set_console(trainer, console: str) -> None:
-    """The training console: `compact` replaces TRL's log dicts with [`~retool_trl.console.CompactProgressCallback`]
-    (every log also in `OUTPUT_DIR/log.jsonl`); `dicts` keeps transformers' own callbacks."""
+    """The training console: `compact` replaces TRL's log dicts with
+    [`~retool_trl.reporting.console.CompactProgressCallback`] (every log also in `OUTPUT_DIR/log.jsonl`); `dicts` keeps
+    transformers' own callbacks."""
     if console == "compact":
-        from ..console import use_compact_console
+        from ..reporting.console import use_compact_console
 
         use_compact_console(trainer, os.path.join(trainer.args.output_dir, "log.jsonl"))
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
-    """A model folder or hub id; `quickstart` is the tiny model shipped with the package (see `retool_trl.names`)."""
-    from ..names import resolve_model
+    """A model folder or hub id; `quickstart` is the tiny model shipped with the package (see
+    `retool_trl.models.names`)."""
+    from ..models.names import resolve_model
 
     return resolve_model(name, option)
 
@@ -124,7 +126,7 @@ def short_model_name(path: str) -> str:
 def finish(trainer, output_dir: str, info: dict | None = None) -> None:
     """Saves the model, the log history and `info` (what the run was: `retool_run.json`, for the titles of
     `retool-trl plot`) and closes the trackers."""
-    from ..run_logs import write_run_info
+    from ..reporting.run_logs import write_run_info
 
     trainer.save_model(output_dir)
     trainer.save_state()  # trainer_state.json (the log history) next to the model, for `retool-trl plot`

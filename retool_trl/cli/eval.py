@@ -149,8 +149,8 @@ def main(argv: Sequence[str]) -> int:
     """`retool-trl eval --model PATH --dataset NAME [--num-samples K] [--key value ...]`."""
     from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
-    from ..prompts import Tags
-    from ..tokenizer_checks import check_tokenizer, load_tokenizer
+    from ..format.prompts import Tags
+    from ..models.tokenizers import check_tokenizer, load_tokenizer
 
     eval_args, config = parse_eval_args(argv)
     if eval_args.num_samples < 1 or eval_args.batch_size < 1:
@@ -180,7 +180,7 @@ def main(argv: Sequence[str]) -> int:
 
     import torch
 
-    from ..evaluation import evaluate, write_report
+    from ..evaluation.scoring import evaluate, write_report
 
     model = load_eval_model(model_path, eval_args.dtype)
     torch.manual_seed(config.seed)

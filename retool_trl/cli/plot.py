@@ -27,7 +27,7 @@ def main(argv: Sequence[str]) -> int:
         "errors, recovery, length, KL, entropy, those that were logged and changed).",
     )
     args = parser.parse_args(list(argv))
-    from ..plotting import plot_run
+    from ..reporting.plotting import plot_run
 
     try:
         path = plot_run(args.run, output=args.output, metrics=args.metrics)

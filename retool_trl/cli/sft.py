@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError, one_line
-from ..prompts import SYSTEM_PROMPTS, Tags
+from ..format.prompts import SYSTEM_PROMPTS, Tags
 from .common import (
     PROG,
     PROMPT_FORMAT_CHOICES,
@@ -147,10 +147,10 @@ def build_sft(argv: Sequence[str]):
 
     from ..data.adapters import is_local_dataset
     from ..data.loading import load_traces, with_trace_system_prompt
-    from ..names import check_hub_id
-    from ..prompts import resolve_system_prompt
+    from ..format.prompts import resolve_system_prompt
+    from ..models.names import check_hub_id
+    from ..models.tokenizers import check_tokenizer, load_tokenizer
     from ..sft import build_sft_trainer
-    from ..tokenizer_checks import check_tokenizer, load_tokenizer
 
     script_args, sft_args, model_args = parse_sft_args(argv)
     model_path = resolve_model_path(model_args.model_name_or_path)

@@ -151,9 +151,9 @@ def build_train(argv: Sequence[str]):
 
     from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
-    from ..prompts import Tags
-    from ..reward_registry import check_reward_kwargs, resolve_reward_funcs
-    from ..tokenizer_checks import check_tokenizer, load_tokenizer
+    from ..format.prompts import Tags
+    from ..models.tokenizers import check_tokenizer, load_tokenizer
+    from ..rewards.registry import check_reward_kwargs, resolve_reward_funcs
 
     script_args, training_args, model_args = parse_train_args(argv)
     model_path = resolve_model_path(model_args.model_name_or_path)

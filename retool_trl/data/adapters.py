@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..prompts import add_system_message, add_system_prompt, resolve_system_prompt
+from ..format.prompts import add_system_message, add_system_prompt, resolve_system_prompt
 
 # "auto" follows the data: conversational when the problems are already conversations, plain text otherwise.
 PROMPT_FORMATS = ("conversational", "plain", "auto")
@@ -180,10 +180,10 @@ SYNTHETIC_NAMES = ("synthetic", "retool_trl/synthetic", "arithmetic", "multiturn
 
 def check_dataset_name(name: str, option: str = "dataset_name") -> None:
     """Fails at once, before any hub call, on a name that is not a known dataset, a local file or a hub id `org/name`
-    (a near miss of a known name gets "did you mean"; see [`~retool_trl.names.check_hub_id`])."""
+    (a near miss of a known name gets "did you mean"; see [`~retool_trl.models.names.check_hub_id`])."""
     if name.strip().lower() in SYNTHETIC_NAMES or find_known_dataset(name) is not None:
         return
-    from ..names import check_hub_id
+    from ..models.names import check_hub_id
 
     check_hub_id(name, "dataset", option, [*KNOWN_DATASETS, *_ALIASES, "synthetic", "multiturn"], error=DataError)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..prompts import add_system_prompt
+from ..format.prompts import add_system_prompt
 from .adapters import DataError, _load_local, is_local_dataset, load_math_dataset
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def load_traces(
         DataError: the dataset cannot be loaded, lacks the columns, or has no traces.
     """
     if not is_local_dataset(name):
-        from ..names import check_hub_id
+        from ..models.names import check_hub_id
 
         check_hub_id(name, "dataset", option, error=DataError)
     try:

@@ -10,7 +10,7 @@ Imports run one way: `runner` -> the tasks -> `plan`.
 """
 
 # The quickstart models are built with these (scripts/build_quickstart_model.py, scripts/build_multiturn_model.py).
-from ..tiny import build_char_tokenizer, build_tiny_model
+from ..models.tiny import build_char_tokenizer, build_tiny_model
 from .arithmetic import QUICKSTART_MODEL_DIR, QuickstartTask, arithmetic_plan, model_path
 from .multiturn import (
     MULTITURN_DEFAULTS,
@@ -29,7 +29,7 @@ from .runner import PLANS, main, run_quickstart, train_run
 def __getattr__(name):
     # Re-exported lazily: the console imports transformers' trainer, which `retool-trl quickstart --help` must not.
     if name == "CompactProgressCallback":
-        from ..console import CompactProgressCallback
+        from ..reporting.console import CompactProgressCallback
 
         return CompactProgressCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..plotting import ARITHMETIC_PANELS
+from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
+from ..reporting.plotting import ARITHMETIC_PANELS
 from .plan import RUNS, QuickstartArguments, TaskPlan
 
 QUICKSTART_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart"]

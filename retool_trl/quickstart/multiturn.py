@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from ..data.synthetic import FAILURES, MULTITURN_CELL_CHARS, Problem, multiturn_failing_cell
-from ..names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..plotting import Panel
-from ..rewards import boxed_accuracy_and_recovery
-from ..run_logs import accuracy_of
+from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
+from ..reporting.plotting import Panel
+from ..reporting.run_logs import accuracy_of
+from ..rewards.functions import boxed_accuracy_and_recovery
 from ..sandbox.cell_limits import CellLimits
 from .plan import TaskPlan
 
@@ -172,8 +172,8 @@ def recovery_probe(
 
     from transformers import set_seed
 
-    from ..evaluation import EvalReport, compute_metrics, evaluate, write_report
-    from ..parsing import Tags
+    from ..evaluation.scoring import EvalReport, compute_metrics, evaluate, write_report
+    from ..format.parsing import Tags
 
     if config.max_tool_calls == 0 or len(dataset) == 0:
         return {}

@@ -143,7 +143,7 @@ class TaskPlan:
         task: The task's description (a dataclass; written to `summary.json`).
         model (`str`): Starting checkpoint.
         splits: `{"train": Dataset, "test": Dataset}`.
-        panels (`tuple`): Plot panels (`retool_trl.plotting.plot_comparison`).
+        panels (`tuple`): Plot panels (`retool_trl.reporting.plotting.plot_comparison`).
         table (`Callable[[dict], str]`): The console table of the summary.
         run_kwargs (`dict`): Extra `train_run` arguments (reward functions, `eval_metrics`, `ReToolConfig` fields).
     """

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..plotting import hardware, plot_comparison
+from ..reporting.plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
 from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
 from .plan import RUNS, TASKS, QuickstartArguments, rl_config
@@ -29,7 +29,7 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     inspection."""
     from transformers import set_seed
 
-    from ..evaluation import evaluate, write_report
+    from ..evaluation.scoring import evaluate, write_report
 
     set_seed(seed)
     model.eval()
@@ -70,7 +70,7 @@ def train_run(
     """
     from transformers import AutoModelForCausalLM
 
-    from ..console import use_compact_console
+    from ..reporting.console import use_compact_console
     from ..trainer import ReToolTrainer
 
     run_dir = out / name

@@ -1,7 +1,7 @@
 """Tiny models for CPU runs, tests and benchmarks, built locally (no hub): a character-level tokenizer, a small
 randomly initialised Qwen2, and a logits processor that makes a real model write a scripted text.
 
-    from retool_trl.tiny import build_char_tokenizer, build_tiny_model
+    from retool_trl.models.tiny import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer)  # ~0.7M parameters; `save_tiny_model(path, tokenizer)` writes a folder
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from .prompts import Tags
+from ..format.prompts import Tags
 
 PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|endoftext|>"
 

@@ -1,14 +1,14 @@
 """What every vLLM turn engine does with a turn: the stop strings it asks for, and how it cuts and checks the reply.
 
-Shared by the barrier backend (`retool_trl.vllm_backend`) and the async engines (`retool_trl.server_engine`,
-`retool_trl.colocate_engine`), so that all of them end a turn at the same token for the same reply.
+Shared by the barrier backend (`engines.vllm_batched`) and the async engines (`engines.vllm_server`,
+`engines.vllm_colocate`), so that all of them end a turn at the same token for the same reply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .parsing import first_stop
+from ..format.parsing import first_stop
 from .types import TurnOutput
 
 

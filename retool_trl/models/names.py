@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 # Checkpoints shipped with the package, by the alias `model_name_or_path` / `--model` accept.
 MODEL_ALIASES = {"quickstart": "quickstart_model", "quickstart_multiturn": "multiturn_model"}
 # `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).

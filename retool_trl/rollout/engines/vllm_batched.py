@@ -15,10 +15,10 @@ import types
 
 import torch
 
-from .colocate_engine import sleep_after_rollout, wake_for_rollout
-from .parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
-from .turns import finish_turn, turn_stops, user_stops
-from .types import TurnOutput
+from ...format.parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
+from ..turns import finish_turn, turn_stops, user_stops
+from ..types import TurnOutput
+from .vllm_colocate import sleep_after_rollout, wake_for_rollout
 
 
 class VLLMBackend:

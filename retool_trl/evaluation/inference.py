@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from transformers import GenerationConfig
 
-from .generation import TransformersBackend
-from .parsing import with_system_prompt
-from .rollout import RolloutResult, RolloutSpec, interleaved_rollout
-from .sandbox.factory import sandbox_from_config, with_cell_limits
+from ..format.parsing import with_system_prompt
+from ..rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
+from ..rollout.engines.transformers_generate import TransformersBackend
+from ..sandbox.factory import sandbox_from_config, with_cell_limits
 
 
 def eos_token_ids_of(model, tokenizer) -> list[int]:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import UserError, one_line
+from ..errors import UserError, one_line
 
 
 def check_tokenizer(

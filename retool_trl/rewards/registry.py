@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import UserError, one_line
+from ..errors import UserError, one_line
 
 # What `GRPOTrainer._calculate_rewards` hands every reward function besides the dataset columns (TRL 1.16).
 TRL_REWARD_KWARGS = (
@@ -38,7 +38,7 @@ def reward_registry(max_completion_length: int | None = None) -> dict[str, Calla
         think_format_reward,
     )
 
-    from .rewards import boxed_accuracy, boxed_accuracy_and_recovery
+    from .functions import boxed_accuracy, boxed_accuracy_and_recovery
 
     length = max_completion_length or 1280
     return {
@@ -99,7 +99,7 @@ def check_reward_kwargs(funcs: Sequence[Callable], columns: Sequence[str], datas
     Raises:
         UserError: naming the function, the parameter and the dataset's columns.
     """
-    from .rollout import ROLLOUT_FIELDS
+    from ..rollout.batched import ROLLOUT_FIELDS
 
     provided = set(columns) | set(TRL_REWARD_KWARGS) | set(ROLLOUT_FIELDS)
     for func in funcs:

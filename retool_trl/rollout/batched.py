@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
 
-from .parsing import Tags, clean_output, extract_code, last_boxed, model_prose
-from .sandbox import ExecResult, truncate_output
+from ..format.parsing import Tags, clean_output, extract_code, last_boxed, model_prose
+from ..sandbox import ExecResult, truncate_output
 from .types import GenerationBackend, TurnOutput
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).

@@ -4,9 +4,9 @@ The barrier loop (`retool_trl.rollout.interleaved_rollout`) waits, at every turn
 and the slowest snippet. Here each completion is a coroutine: it asks the engine for its next turn, runs its own
 snippet when the turn ends at the code-end tag, and asks again as soon as that snippet returns, while the others keep
 generating. A continuously batching engine packs the requests in flight into its batches, so neither a long turn nor
-a slow snippet holds anyone else back. Two engines: vLLM's server (`retool_trl.server_engine.CompletionsEngine`: the
-turns ready at once go in one streamed HTTP request) and the colocated engine of TRL's own `LLM`, driven request by
-request (`retool_trl.colocate_engine.ColocateEngine`).
+a slow snippet holds anyone else back. Two engines (`engines/`): vLLM's server (`vllm_server.CompletionsEngine`:
+the turns ready at once go in one streamed HTTP request) and the colocated engine of TRL's own `LLM`, driven request
+by request (`vllm_colocate.ColocateEngine`).
 
 The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, retries, reward kwargs) is the barrier
 loop's own (`_Row.take_turn`, `run_cells`, `interpreter_blocks`, `rollout_result`), so both modes give the same
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from .rollout import (
+from .batched import (
     RolloutResult,
     RolloutSpec,
     _Row,
@@ -33,7 +33,7 @@ from .rollout import (
     rollout_result,
     run_cells,
 )
-from .server_engine import CompletionsEngine, sampling_from_vllm
+from .engines.vllm_server import CompletionsEngine, sampling_from_vllm
 from .turns import EngineError, EngineRequestError, EngineTimeoutError
 from .types import TurnOutput
 

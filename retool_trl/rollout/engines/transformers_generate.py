@@ -25,7 +25,7 @@ except ImportError:  # older transformers 5.x
         return getattr(module, "_is_fsdp_managed_module", False)
 
 
-from .types import TurnOutput
+from ..types import TurnOutput
 
 # transformers 5.2x renamed `generate(past_key_values=...)` and `output.past_key_values` to `cache` (the old names go
 # in 6.0); older 5.x releases inside the pinned range only know the old one.

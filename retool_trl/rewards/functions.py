@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from math_verify import LatexExtractionConfig, parse, verify
 
-from .parsing import Tags, last_boxed, model_prose
+from ..format.parsing import Tags, last_boxed, model_prose
 
 
 def _completion_text(completion) -> str:

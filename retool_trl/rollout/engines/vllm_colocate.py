@@ -18,8 +18,8 @@ import contextlib
 import itertools
 import uuid
 
-from .turns import finish_turn, turn_stops, user_stops
-from .types import TurnOutput
+from ..turns import finish_turn, turn_stops, user_stops
+from ..types import TurnOutput
 
 
 class ColocateEngine:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .turns import EngineError, EngineRequestError, EngineTimeoutError, finish_turn, turn_stops, user_stops
-from .types import TurnOutput
+from ..turns import EngineError, EngineRequestError, EngineTimeoutError, finish_turn, turn_stops, user_stops
+from ..types import TurnOutput
 
 # Streamed chunks per sequence: the first token and the finished turn (vLLM sends both at once whatever the interval;
 # servers without `stream_interval` ignore the field and stream every token, which is read the same way).

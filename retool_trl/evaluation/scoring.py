@@ -1,7 +1,7 @@
 r"""Evaluation with the interpreter: the same rollout as training, scored like the reward.
 
-Each problem is sampled `k` times with [`~retool_trl.inference.generate_with_interpreter`]; a completion is correct
-when the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
+Each problem is sampled `k` times with [`~retool_trl.evaluation.inference.generate_with_interpreter`]; a completion
+is correct when the last `\boxed{}` of the model's own prose is equivalent to the gold answer (math-verify, as
 [`~retool_trl.rewards.boxed_accuracy`]). Metrics:
 
 - `pass@1`: accuracy of the first sample of each problem;
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .parsing import Tags
-from .rewards import final_answer, is_equivalent
+from ..format.parsing import Tags
+from ..rewards.functions import final_answer, is_equivalent
 
 
 @dataclass
@@ -181,8 +181,8 @@ def evaluate(
     import torch
     from tqdm.auto import tqdm
 
+    from ..sandbox.factory import sandbox_from_config
     from .inference import eos_token_ids_of, generate_with_interpreter
-    from .sandbox.factory import sandbox_from_config
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]

@@ -1,0 +1,12 @@
+"""The rollout: how a batch of prompts becomes completions that call the interpreter, with their interpreter mask.
+
+Two loops over the same turn logic (`turns`): `batched` moves every completion of a batch one turn at a time and runs
+the batch's cells together (`rollout_mode: barrier`, and the transformers engine); `per_completion` gives each
+completion its own generate -> execute -> continue loop (`rollout_mode: async`). The engines they drive live in
+`engines/`, one module each. A rollout imports the sandbox, never the trainer.
+"""
+
+from .batched import ROLLOUT_FIELDS, RolloutResult, RolloutSpec, interleaved_rollout
+from .types import GenerationBackend, TurnOutput
+
+__all__ = ["ROLLOUT_FIELDS", "GenerationBackend", "RolloutResult", "RolloutSpec", "TurnOutput", "interleaved_rollout"]
