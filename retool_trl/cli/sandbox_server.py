@@ -54,7 +54,9 @@ def main(argv: Sequence[str]) -> int:
 
         from ..sandbox.server import ServerConfig, create_app
     except ImportError as error:
-        raise UserError(f"{one_line(error)}: install the server's dependencies: pip install 'retool-trl[server]'")
+        raise UserError(
+            f"{one_line(error)}: install the server's dependencies: pip install 'retool-trl[server]'"
+        ) from None
     try:
         config = ServerConfig(**vars(args))
     except ValueError as error:
