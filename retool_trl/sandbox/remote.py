@@ -46,7 +46,12 @@ _sleep = time.sleep
 
 
 class _ServiceFailure(Exception):
-    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's."""
+    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's.
+    `unreachable`: the server could not be reached or dropped the connection (it may be gone)."""
+
+    def __init__(self, problem: str, unreachable: bool = False):
+        super().__init__(problem)
+        self.unreachable = unreachable
 
 
 class _Retryable(Exception):
@@ -342,9 +347,12 @@ class RemoteSandbox:
             return retrying(self._attempt, client, body, timeout, method, server + path, resend)
         except tenacity.RetryError as exc:
             last = exc.last_attempt
-            if len(self.urls) > 1:
-                self._down_until[server] = time.monotonic() + _MAX_WAIT_S
-            raise _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)") from None
+            failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
+        except _ServiceFailure as exc:
+            failure = exc
+        if failure.unreachable and len(self.urls) > 1:  # new sessions go elsewhere for a while
+            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
+        raise failure
 
     def _wait(self, retry_state) -> float:
         """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
@@ -364,7 +372,7 @@ class RemoteSandbox:
         except httpx.HTTPError as exc:
             if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-            raise _ServiceFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
         if not resend and reply.status_code >= 500 and reply.status_code != 503:
             raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")
         if reply.status_code >= 500 or reply.status_code == 429:

@@ -127,6 +127,7 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         try:
             table.acquire()
         except Full as error:
+            table.touch(request.path_params["session_id"])  # its client is there, retrying: not idle
             return busy(error)
         try:
             results = await blocking(table.run, request.path_params["session_id"], cells)

@@ -26,7 +26,7 @@ class ServerConfig:
             200 KB); a session's own limit is clamped to it.
         max_limit_profiles (`int`, defaults to `4`): Distinct (time, memory) limit pairs served at once, each by its
             own `LocalSandbox`; a request with yet another pair gets the nearest served pair that is not below it
-            (else the server's maxima), and the reply says which limits applied.
+            (else the largest served), and the reply says which limits applied.
         isolation (`str`, defaults to `"auto"`), allow_root_without_isolation (`bool`): As for `LocalSandbox`.
         grace_s (`float`, *optional*): On SIGTERM, how long running calls may take to finish before they are failed
             and every jail is killed (default: `max_timeout_s + 5`).

@@ -86,7 +86,9 @@ class SessionTable:
             ]
             if above:
                 return min(above, key=lambda p: (p.timeout_s, p.memory_mb, p.max_output_chars))
-            return self._default
+            # None is as large: the largest served (the request asked for more than any has).
+            same = [p for p in self._sandboxes if p.show_last_expression == show] or [self._default]
+            return max(same, key=lambda p: (p.timeout_s, p.memory_mb, p.max_output_chars))
 
     def _build(self, profile: Profile) -> LocalSandbox:
         c = self.config
@@ -166,6 +168,13 @@ class SessionTable:
             raise UnknownSession(session_id)
         live.session.close()
         self.counts["sessions_closed"] += 1
+
+    def touch(self, session_id: str) -> None:
+        """Marks a session used now (a call refused at the bound still shows its client is there)."""
+        with self._lock:
+            live = self._sessions.get(session_id)
+            if live is not None:
+                live.last_used = time.monotonic()
 
     def _get(self, session_id: str) -> _Live:
         with self._lock:
