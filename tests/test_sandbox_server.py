@@ -297,3 +297,19 @@ def test_graceful_stop_finishes_running_calls_and_kills_every_jail():
         assert "sandbox isolation:" in out
     finally:
         srv.kill()
+
+
+def test_config_takes_one_url_or_several():
+    """`sandbox_url` from a YAML list or a comma-separated command-line value reaches the remote backend as
+    several servers, and sessions spread over them (each pinned to one)."""
+    from retool_trl import ReToolConfig
+    from retool_trl.sandbox.factory import sandbox_from_config
+
+    urls = ["http://10.0.0.1:8080", "http://10.0.0.2:8080/"]
+    for value in (urls, ",".join(urls)):
+        args = ReToolConfig(output_dir="/tmp/unused", sandbox_backend="remote", sandbox_url=value, report_to="none")
+        sandbox = sandbox_from_config(args)
+        inner = getattr(sandbox, "sandbox", sandbox)
+        assert inner.urls == ["http://10.0.0.1:8080", "http://10.0.0.2:8080"]
+        assert {inner.session().server for _ in range(64)} == set(inner.urls)
+        sandbox.close()

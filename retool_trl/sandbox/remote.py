@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import signal
 import threading
 import time
@@ -136,7 +137,8 @@ class RemoteSandbox:
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
         language (`str`, defaults to `"python"`): The service's language name for Python.
         headers (`dict`, *optional*): Extra HTTP headers (e.g. authentication for the service).
-        token (`str`, *optional*): Sent as `Authorization: Bearer <token>` (the sandbox server's `--token`).
+        token (`str`, *optional*): Sent as `Authorization: Bearer <token>` (the sandbox server's `--token`; default:
+            `$RETOOL_SANDBOX_TOKEN`).
         sessions (`str`, defaults to `"auto"`): `"auto"` (the server's sessions when it offers them, else replay),
             `"native"` (fail with a clear error where they are not offered) or `"replay"`.
     """
@@ -181,7 +183,8 @@ class RemoteSandbox:
         self.show_last_expression = bool(show_last_expression)
         self.language = language
         self.headers = dict(headers or {})
-        if token:
+        token = token or os.environ.get("RETOOL_SANDBOX_TOKEN")
+        if token and "Authorization" not in self.headers:
             self.headers["Authorization"] = f"Bearer {token}"
         self._native: dict[str, bool] = {}  # server -> offers sessions (known once it answered)
         self._down_until: dict[str, float] = {}  # server -> when to try it again for new sessions
