@@ -313,3 +313,20 @@ def test_config_takes_one_url_or_several():
         assert inner.urls == ["http://10.0.0.1:8080", "http://10.0.0.2:8080"]
         assert {inner.session().server for _ in range(64)} == set(inner.urls)
         sandbox.close()
+
+
+def test_bad_settings_and_an_unsafe_host_are_one_line_errors():
+    """A user's wrong setting, or a root host where no isolation works, ends the command with exit status 2 and
+    one line naming the problem, before any port opens."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "retool_trl", "sandbox-server", "--port", "9"]
+    bad = subprocess.run([*command, "--timeout-s", "100"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "max_timeout_s" in bad.stderr
+    if os.geteuid() != 0:
+        pytest.skip("the root-without-isolation refusal needs root")
+    unsafe = subprocess.run([*command, "--isolation", "none"], capture_output=True, text=True, timeout=120)
+    assert unsafe.returncode == 2 and "cannot start here" in unsafe.stderr
+    assert len(unsafe.stderr.strip().splitlines()) == 1
