@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal, truncate_output
 from .remote_driver import build_driver
 from .results import signal_death_line
+from .server.client import ServiceFailure as _ServiceFailure
 from .server.client import close_remote, offers_sessions, run_remote
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
@@ -44,15 +45,6 @@ _MAX_WAIT_S = 30.0
 
 # The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
 _sleep = time.sleep
-
-
-class _ServiceFailure(Exception):
-    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's.
-    `unreachable`: the server could not be reached or dropped the connection (it may be gone)."""
-
-    def __init__(self, problem: str, unreachable: bool = False):
-        super().__init__(problem)
-        self.unreachable = unreachable
 
 
 class _Retryable(Exception):

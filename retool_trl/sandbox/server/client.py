@@ -17,12 +17,21 @@ import time
 
 from ..base import ExecResult
 
-__all__ = ["SESSIONS_PATH", "close_remote", "offers_sessions", "run_remote"]
+__all__ = ["SESSIONS_PATH", "ServiceFailure", "close_remote", "offers_sessions", "run_remote"]
 
 logger = logging.getLogger(__name__)
 
 SESSIONS_PATH = "/sessions"
 _PROBE_TIMEOUT_S = 10.0
+
+
+class ServiceFailure(Exception):
+    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's.
+    `unreachable`: the server could not be reached or dropped the connection (it may be gone)."""
+
+    def __init__(self, problem: str, unreachable: bool = False):
+        super().__init__(problem)
+        self.unreachable = unreachable
 
 
 def offers_sessions(client, url: str, headers: dict | None = None) -> bool | None:
@@ -45,8 +54,6 @@ def offers_sessions(client, url: str, headers: dict | None = None) -> bool | Non
 
 def run_remote(sandbox, session, code: str) -> ExecResult:
     """One cell of `session` in its jail on its server (creating the session there at its first cell)."""
-    from ..remote import _ServiceFailure
-
     start = time.monotonic()
     try:
         if session._remote_id is None:
@@ -64,7 +71,7 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
         # Not retried once sent: the cell may have run, and running it twice would change the session's state.
         reply = sandbox._request("POST", session.server, path, {"code": code}, timeout, False)
         result = ExecResult(**reply["results"][0])
-    except (_ServiceFailure, KeyError, IndexError, TypeError, ValueError) as exc:
+    except (ServiceFailure, KeyError, IndexError, TypeError, ValueError) as exc:
         session._broken = "infrastructure error"
         line = f"SandboxError: the sandbox server {session.server} failed: {exc}; the session state is lost"
         return ExecResult(line, ok=False, timed_out=False, duration_s=time.monotonic() - start, infra_error=True)
@@ -75,11 +82,9 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
 
 def close_remote(sandbox, server: str, remote_id: str) -> None:
     """Closes a session on its server (best effort: the server also closes it after its idle time)."""
-    from ..remote import _ServiceFailure
-
     try:
         sandbox._request("DELETE", server, f"{SESSIONS_PATH}/{remote_id}", None, _PROBE_TIMEOUT_S, False)
-    except _ServiceFailure as exc:
+    except ServiceFailure as exc:
         logger.debug("closing session %s on %s: %s", remote_id, server, exc)
 
 
