@@ -62,10 +62,15 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         raise UserError(one_line(error)) from None
     from ..sandbox.server.table import SessionTable
+    from ..sandbox.zygote import SandboxStartError, UnsafeSandboxError
 
     table = SessionTable(config)
     # The isolation is reported before the port opens, so that a log shows it even if the server never serves.
-    report = table.isolation_report()
+    try:
+        report = table.isolation_report()
+    except (UnsafeSandboxError, SandboxStartError) as error:
+        table.close()
+        raise UserError(f"the sandbox cannot start here: {one_line(error)}") from None
     print(f"[retool-trl] sandbox isolation: {json.dumps(report)}", flush=True)
     if report.get("missing"):
         logger.warning("sandbox-server: protections missing here: %s", "; ".join(report["missing"]))
