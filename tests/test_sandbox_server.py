@@ -330,3 +330,29 @@ def test_bad_settings_and_an_unsafe_host_are_one_line_errors():
     unsafe = subprocess.run([*command, "--isolation", "none"], capture_output=True, text=True, timeout=120)
     assert unsafe.returncode == 2 and "cannot start here" in unsafe.stderr
     assert len(unsafe.stderr.strip().splitlines()) == 1
+
+
+def test_the_session_bound_refuses_with_429_and_frees_on_close():
+    """A server at its live-session bound refuses one more with 429 + Retry-After (the client backs off) and takes
+    new ones again once a session is closed: memory stays bounded whatever the trainers ask."""
+    from starlette.testclient import TestClient
+
+    from retool_trl.sandbox.server import ServerConfig, create_app
+
+    app = create_app(ServerConfig(max_sessions=2, workers=1))
+    client = TestClient(app)  # no lifespan: no jail starts, sessions fork at their first cell
+    first, second = (client.post("/sessions", json={}) for _ in range(2))
+    assert first.status_code == second.status_code == 200
+    refused = client.post("/sessions", json={})
+    assert refused.status_code == 429 and refused.headers["Retry-After"]
+    assert client.delete(f"/sessions/{first.json()['session_id']}").json() == {"closed": True}
+    assert client.post("/sessions", json={}).status_code == 200
+    assert client.delete(f"/sessions/{first.json()['session_id']}").status_code == 404
+    app.state.table.close()
+
+
+def test_native_sessions_are_refused_clearly_on_a_plain_sandbox_fusion(fake):
+    """`sessions="native"` pointed at a plain SandboxFusion: one clear error naming the fix, not a replay."""
+    with RemoteSandbox(fake.url, sessions="native", retries=0) as sb:
+        with pytest.raises(RuntimeError, match="offers no sessions"):
+            sb.session().run("1")
