@@ -356,3 +356,23 @@ def test_native_sessions_are_refused_clearly_on_a_plain_sandbox_fusion(fake):
     with RemoteSandbox(fake.url, sessions="native", retries=0) as sb:
         with pytest.raises(RuntimeError, match="offers no sessions"):
             sb.session().run("1")
+
+
+@pytest.mark.slow
+def test_the_server_benchmark_reports_its_keys():
+    """`scripts/bench_sandbox.py --server --json` at tiny sizes: the keys DESIGN.md names, with sane values."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_sandbox.py"
+    tiny = ["--server-runs", "1", "--server-calls", "3", "--server-sessions", "1", "--server-work", "20000"]
+    done = subprocess.run(
+        [sys.executable, str(script), "--server", *tiny, "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("server_p50_ms", "server_p99_ms", "server_cells_per_s", "session_call_cost_ratio"):
+        assert row[key] > 0, key
+    assert len(row["session_call_ms_by_index"]) == len(row["replay_call_ms_by_index"]) == 8
