@@ -100,6 +100,12 @@ def test_run_code_is_stateless_and_validated_like_sandbox_fusion(server):
     files = {"data/in.txt": "aGVsbG8="}  # base64 of "hello"
     read = httpx.post(url, json={"code": "print(open('data/in.txt').read())", "language": "python", "files": files})
     assert read.json()["run_result"]["stdout"] == "hello\n"
+    # The request's memory limit is the jail's (the kernel's rlimit/cgroup refuses the allocation), not advisory.
+    big = {"code": "b = bytearray(600 << 20)\nprint(len(b) >> 20)", "language": "python"}
+    small = httpx.post(url, json={**big, "memory_limit_MB": 256}, timeout=60).json()
+    assert small["status"] == "Failed" and "MemoryError" in small["run_result"]["stderr"]
+    roomy = httpx.post(url, json={**big, "memory_limit_MB": 2048}, timeout=60).json()
+    assert roomy["status"] == "Success" and roomy["run_result"]["stdout"] == "600\n"
     missing = httpx.post(url, json={"language": "python"})
     assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == ["body", "code"]
     unknown = httpx.post(url, json={"code": "1", "language": "cobol"})
