@@ -167,7 +167,8 @@ class SessionTable:
         if live is None:
             raise UnknownSession(session_id)
         live.session.close()
-        self.counts["sessions_closed"] += 1
+        with self._lock:
+            self.counts["sessions_closed"] += 1
 
     def touch(self, session_id: str) -> None:
         """Marks a session used now (a call refused at the bound still shows its client is there)."""
@@ -208,7 +209,8 @@ class SessionTable:
         for live in lives:
             live.session.close()
         if lives:
-            self.counts["sessions_expired"] += len(lives)
+            with self._lock:
+                self.counts["sessions_expired"] += len(lives)
             logger.info("closed %d session(s) idle for more than %g s", len(lives), self.config.idle_s)
         return len(lives)
 
