@@ -79,8 +79,10 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             Wall-clock limit of one code execution, in seconds.
         sandbox_memory_mb (`int`, defaults to `1024`):
             Address-space limit of a sandbox session, in MiB (sent to the remote service as its memory limit).
-        sandbox_url (`str` or `None`, defaults to `None`):
-            Base URL of the SandboxFusion service; required when `sandbox_backend="remote"`.
+        sandbox_url (`str`, `list[str]` or `None`, defaults to `None`):
+            Base URL of the sandbox service (`retool-trl sandbox-server`, or SandboxFusion), or several (a list, or
+            comma-separated): each session is pinned to one for its life. Required when `sandbox_backend="remote"`.
+            A server's `--token` is read from `RETOOL_SANDBOX_TOKEN`.
         sandbox_max_concurrency (`int`, defaults to `32`):
             Requests in flight to the remote sandbox service.
 

@@ -111,7 +111,11 @@ class ReToolOptions:
         },
     )
     sandbox_url: str | None = field(
-        default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}
+        default=None,
+        metadata={
+            "help": "Base URL of the sandbox service (sandbox_backend='remote'): `retool-trl sandbox-server` or "
+            "SandboxFusion; several as a list (YAML) or comma-separated, each session pinned to one."
+        },
     )
     sandbox_max_concurrency: int = field(
         default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}
