@@ -11,8 +11,8 @@ So, around each rollout ([`SandboxHealth.step`]):
   start, its zygote dies, the service is down), the run stops before generating anything;
 - a rollout in which *every* call the sandbox answered was an infrastructure error stops the run (the first retry
   with a fresh session included); a rollout in which only some were goes on, with a warning naming the sandbox's
-  reason when at least half of its calls failed. One rollout where every call failed is never the model's doing
-  and never a transient blip of one session: its calls are spread over many sessions, each already retried once.
+  reason when more than half of its calls (retries included) failed. One rollout where every call failed is never
+  the model's doing and never a blip of one session: its calls are spread over many sessions, each retried once.
 
 Either stop is a [`SandboxUnavailableError`] (a `UserError`: the command line prints it as one line, exit status 2)
 whose message carries the sandbox's reason in full, with its fix.
@@ -130,6 +130,9 @@ class SandboxHealth:
         if uses_code and not self.probed:
             self.probed = True
             problem = probe(sandbox.sandbox if isinstance(sandbox, WatchedSandbox) else sandbox)
+            url = getattr(sandbox, "url", None)  # a remote service: say which one to look at
+            if problem is not None and isinstance(url, str):
+                problem += f"; check that the code execution service at {url} is running and reachable"
             _stop_if_any(
                 problem,
                 accelerator,
@@ -144,13 +147,15 @@ class SandboxHealth:
         _stop_if_any(
             reason if all_failed else None,
             accelerator,
-            f"every one of the {calls} interpreter calls of a rollout failed in the sandbox (infrastructure errors, "
-            f"not the model's code), so {self.what} stops rather than go on without an interpreter",
+            f"all {calls} sandbox calls of a rollout (retries included) failed for the sandbox's own reasons "
+            f"(infrastructure errors, not the model's code), so {self.what} stops rather than go on without an "
+            "interpreter",
         )
-        if failed and 2 * failed >= calls and reason not in self._warned:
+        if 2 * failed > calls and reason not in self._warned:
             self._warned.add(reason)
             logger.warning(
-                "%d of %d interpreter calls of a rollout failed in the sandbox (left out of the loss and the scores); "
+                "%d of %d sandbox calls of a rollout (retries included) failed for the sandbox's own reasons (their "
+                "completions are left out of the loss and the scores); "
                 "the sandbox said: %s",
                 failed,
                 calls,
