@@ -23,6 +23,7 @@ from testing_utils import make_char_tokenizer, record_rewards, save_tiny_model, 
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
+TORCHRUN_PATH = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +230,68 @@ def test_a_local_sandbox_that_cannot_start_stops_before_the_first_rollout(tmp_pa
             trainer._generate_and_score_completions([{"prompt": "Q:", "answer": "42"} for _ in range(4)])
     finally:
         sandbox.close()
+
+
+RANKS = """
+import json, os, sys
+import torch.distributed as dist
+from datasets import Dataset
+from retool_trl import ReToolConfig, ReToolTrainer
+from retool_trl.sandbox import ExecResult
+from retool_trl.testing import FakeSandbox
+from retool_trl.training.sandbox_health import SandboxUnavailableError
+from testing_utils import make_char_tokenizer, save_tiny_model
+
+class Down(FakeSandbox):
+    def run_many(self, pairs):
+        return [ExecResult("SandboxError: zygote lost on rank 1", False, False, 0.0, infra_error=True) for _ in pairs]
+
+out, rank = sys.argv[1], int(os.environ["RANK"])
+tokenizer = make_char_tokenizer()
+if rank == 0:
+    save_tiny_model(os.path.join(out, "model"), tokenizer)
+args = ReToolConfig(
+    output_dir=os.path.join(out, "run"), max_steps=2, per_device_train_batch_size=2, num_generations=2,
+    max_completion_length=8, report_to="none", bf16=False, use_cpu=True, beta=0.0, save_strategy="no",
+    disable_tqdm=True, system_prompt="none",
+)
+if not dist.is_initialized():  # as TRL's Trainer will: the launcher's env, gloo on CPU
+    dist.init_process_group("gloo")
+dist.barrier()  # the model is saved
+dataset = Dataset.from_list([{"prompt": f"Q{i}:", "answer": "1"} for i in range(4)])
+trainer = ReToolTrainer(
+    os.path.join(out, "model"), args=args, train_dataset=dataset, processing_class=tokenizer,
+    sandbox=Down() if rank == 1 else FakeSandbox(),
+)
+try:
+    trainer.train()
+    message = None
+except SandboxUnavailableError as error:
+    message = str(error)
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"message": message, "steps": trainer.state.global_step}, f)
+"""
+
+
+def test_every_rank_stops_when_one_ranks_sandbox_cannot_run_code(tmp_path):
+    """Two trainers on one node (`torchrun --nproc-per-node 2`, gloo), and one rank's sandbox fails every call:
+    both stop at the same point, before the first step, the failing rank with its sandbox's reason (no rank is
+    left waiting in a collective for the other)."""
+    if not TORCHRUN_PATH.exists():
+        pytest.skip("torchrun (torch's launcher) is not installed next to this interpreter")
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    done = subprocess.run(
+        [str(TORCHRUN_PATH), "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [0, 0]
+    assert "zygote lost on rank 1" in ranks[1]["message"]
+    assert "another process's sandbox failed" in ranks[0]["message"]
