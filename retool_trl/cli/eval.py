@@ -83,7 +83,7 @@ INTERPRETER_FIELDS = (
     "sandbox_memory_mb",
     "sandbox_url",
     "sandbox_max_concurrency",
-    # The same opt-in as training, so that the sandbox's refusal as root without bubblewrap names a fix that works here.
+    # The opt-in training has, so that the sandbox's refusal as root without bubblewrap names a fix that works here.
     "sandbox_allow_root_without_isolation",
 )
 OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
