@@ -74,7 +74,8 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         sandbox_backend (`str`, defaults to `"local"`):
             `"local"` (worker pool on this machine) or `"remote"` (SandboxFusion-compatible HTTP service).
         sandbox_workers (`int` or `None`, defaults to `None`):
-            Size of the local worker pool (default: the number of CPUs).
+            Size of the local worker pool (default: the CPUs this process may use, divided among the ranks on this
+            node).
         sandbox_timeout_s (`float`, defaults to `5.0`):
             Wall-clock limit of one code execution, in seconds.
         sandbox_memory_mb (`int`, defaults to `1024`):

@@ -99,7 +99,11 @@ class ReToolOptions:
         },
     )
     sandbox_workers: int | None = field(
-        default=None, metadata={"help": "Local sandbox pool size (default: the number of CPUs)."}
+        default=None,
+        metadata={
+            "help": "Local sandbox pool size (default: the CPUs this process may use, divided among the ranks on "
+            "this node)."
+        },
     )
     sandbox_timeout_s: float = field(default=5.0, metadata={"help": "Wall-clock limit of one code execution."})
     sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})

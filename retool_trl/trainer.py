@@ -33,6 +33,7 @@ from .rollout.engines.vllm_server import server_engine_from_config
 from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .training.metrics import rollout_metrics
+from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
 
 
@@ -81,6 +82,7 @@ class ReToolTrainer(GRPOTrainer):
             use_reload_weights_on_cpu(self.vllm_generation)
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
+        self._sandbox_health = SandboxHealth("training")  # stops the run when the sandbox cannot run code
         self._rollout_inputs: list[dict] = []
         self._dropped: list[bool] = []
         self._roc_rng = random.Random(args.seed)
@@ -92,7 +94,7 @@ class ReToolTrainer(GRPOTrainer):
             self._sandbox = sandbox_from_config(self.args)
         # A sandbox given by the user gets the config's cell limits too (a no-op when set already or not asked for).
         self._sandbox = with_cell_limits(self._sandbox, self.args)
-        return self._sandbox
+        return self._sandbox_health.watch(self._sandbox)
 
     def close_sandbox(self) -> None:
         """Stops the sandbox workers this trainer started (a user-provided sandbox is left to its owner)."""
@@ -191,10 +193,11 @@ class ReToolTrainer(GRPOTrainer):
         prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
         prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
-        if args.roc_oversample > 1 and mode == "train":
-            result = self._resample_on_correct(prompts, prompt_ids)
-        else:
-            result = self._generate_rollout(prompt_ids)
+        with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
+            if args.roc_oversample > 1 and mode == "train":
+                result = self._resample_on_correct(prompts, prompt_ids)
+            else:
+                result = self._generate_rollout(prompt_ids)
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)

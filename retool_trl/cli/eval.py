@@ -83,6 +83,8 @@ INTERPRETER_FIELDS = (
     "sandbox_memory_mb",
     "sandbox_url",
     "sandbox_max_concurrency",
+    # The opt-in training has, so that the sandbox's refusal as root without bubblewrap names a fix that works here.
+    "sandbox_allow_root_without_isolation",
 )
 OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
 _OVERRIDES = {"output_dir": ("eval_results", "Folder of the result files (NAME.json, NAME.md, NAME_samples.jsonl).")}
