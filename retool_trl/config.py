@@ -116,9 +116,9 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         self._validate_retool_fields()
         self._check_json_fields()
         # TRL's default: `bf16` left unset is True (mixed precision), also with `use_cpu=True`, where transformers
-        # accepts it (CPU autocast), so that a run without ReTool code trains exactly as `GRPOTrainer` would. Only where
-        # transformers would refuse it (no bf16 GPU, no `use_cpu`) does it become False, so `ReToolConfig(...)` works
-        # there as written (an explicit `bf16=True` still fails, as in TRL).
+        # accepts it (CPU autocast), so that a run without ReTool code trains exactly as `GRPOTrainer` would. Only
+        # where transformers would refuse it (no bf16 GPU, no `use_cpu`) does it become False, so `ReToolConfig(...)`
+        # works there as written (an explicit `bf16=True` still fails, as in TRL).
         if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_supported():
             self.bf16 = False
         # TRL's default `gradient_checkpointing=True` uses the name transformers >= 5.3 deprecates (one FutureWarning

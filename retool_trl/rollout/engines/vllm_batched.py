@@ -43,9 +43,7 @@ class VLLMBackend:
             that would not fit beside the others go in requests of their own.
     """
 
-    def __init__(
-        self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None, max_model_len=None
-    ):
+    def __init__(self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None, max_model_len=None):
         self.vllm_generation = vllm_generation
         self.tokenizer = tokenizer
         self.code_end = code_end
