@@ -70,7 +70,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         vllm_request_timeout_s (`float` or `None`, defaults to `None`):
             Async rollout in vLLM server mode: longest wait for one turn, in seconds (`None`: no limit). A turn past
             it ends its completion as an engine failure, counted in `retool/engine_timeout_ratio`; with
-            `drop_infra_failures` (the default) that completion is unscored and out of the loss, without it the
+            `drop_infra_failures` on, that completion is unscored and out of the loss, without it the
             completion is scored as it stands.
 
         > Sandbox

@@ -86,8 +86,8 @@ class ReToolOptions:
         metadata={
             "help": "Async rollout in vLLM server mode: longest wait for one turn's reply, in seconds; None (the "
             "default) waits as long as the turn takes. A turn past it ends its completion as an engine failure, "
-            "counted in `retool/engine_timeout_ratio` (with drop_infra_failures, the default, that completion is "
-            "unscored and out of the loss; without it, scored as it stands). Connecting to the server is bounded "
+            "counted in `retool/engine_timeout_ratio` (with drop_infra_failures on, that completion is unscored "
+            "and out of the loss; without it, scored as it stands). Connecting to the server is bounded "
             "either way, and a server that goes away fails its requests at once. (`vllm_server_timeout` is how long "
             "to wait for the server to start.)"
         },
