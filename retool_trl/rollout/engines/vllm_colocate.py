@@ -154,10 +154,10 @@ class ColocateEngine:
         if self._driver.done():  # the engine failed under another turn: so does this one
             self._driver.result()
         request_id = f"{self._prefix}{next(self._ids)}"
-        params = self.sampling_params(max_tokens, stop_at_code_end)
         future = asyncio.get_running_loop().create_future()
         # Added from the loop's thread while the engine is between steps (the driver steps it on this thread).
         try:
+            params = self.sampling_params(max_tokens, stop_at_code_end)
             self.helper.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(token_ids)}, params)
         except ValueError as exc:  # vLLM's input checks (a context past max_model_len, a bad sampling setting)
             raise EngineRequestError(
