@@ -68,11 +68,13 @@ def free_port() -> int:
 class VLLMServer:
     """TRL's vLLM server (`scripts/vllm_serve.py`) on 127.0.0.1, started and stopped by the caller (a fixture)."""
 
-    def __init__(self, model: str, port: int | None = None, startup_timeout_s: float = 300.0):
+    def __init__(
+        self, model: str, port: int | None = None, startup_timeout_s: float = 300.0, max_model_len: int = 512
+    ):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
-        command = local_command(model, self.port, max_model_len=512)
+        command = local_command(model, self.port, max_model_len=max_model_len)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() ends the server and the engine core it spawns, nothing else.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
