@@ -85,10 +85,11 @@ class ReToolOptions:
         default=None,
         metadata={
             "help": "Async rollout in vLLM server mode: longest wait for one turn's reply, in seconds; None (the "
-            "default) waits as long as the turn takes. A turn past it leaves its completion unscored and out of the "
-            "loss, counted in `retool/engine_timeout_ratio`. Connecting to the server is bounded either way, and a "
-            "server that goes away fails its requests at once. (`vllm_server_timeout` is how long to wait for the "
-            "server to start.)"
+            "default) waits as long as the turn takes. A turn past it ends its completion as an engine failure, "
+            "counted in `retool/engine_timeout_ratio` (with drop_infra_failures on, that completion is unscored "
+            "and out of the loss; without it, scored as it stands). Connecting to the server is bounded "
+            "either way, and a server that goes away fails its requests at once. (`vllm_server_timeout` is how long "
+            "to wait for the server to start.)"
         },
     )
     sandbox_backend: str = field(
