@@ -1,0 +1,94 @@
+"""Red team round 4, the calls themselves: a policy that unscores its own failures, computes between calls, stalls
+its neighbours' results through the cleanup, or escapes CPU admission by computing in bursts.
+
+Each test runs the attack through the public API (`LocalSandbox`, `session().run`, `run_many`, the rollout) and
+checks what the sandbox itself observed, not what the cell says. They need root with bubblewrap (the jail) and, for
+the freezer tests, a writable cgroup freezer; elsewhere they skip and say which protection is missing.
+"""
+
+import os
+import time
+
+import pytest
+
+from retool_trl.sandbox import LocalSandbox
+
+pytestmark = pytest.mark.timeout(180)
+
+@pytest.fixture(scope="module")
+def sandbox():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a jail of its own per session (pid namespace) is made only as root here")
+    sb = LocalSandbox(num_workers=2, timeout_s=10.0, preload=())
+    sb.session().run("pass")  # starts the zygote
+    if not sb._sessions_are_pid_one():
+        sb.close()
+        pytest.skip("needs bubblewrap: without a pid namespace a SIGKILL is never reported as infrastructure anyway")
+    yield sb
+    sb.close()
+
+
+# A cell that lowers its own hard CPU limit to the kernel's minimum and spins: the kernel SIGKILLs it.
+_SELF_CPU_KILL = """
+import resource
+resource.setrlimit(resource.RLIMIT_CPU, (0, 0))
+while True:
+    pass
+"""
+
+
+# The same through a child of the cell, which lowers its interpreter's (pid 1's) hard limit with prlimit.
+_CHILD_CPU_KILL = """
+import os, resource, time
+if os.fork() == 0:
+    resource.prlimit(1, resource.RLIMIT_CPU, (0, 0))
+    os._exit(0)
+time.sleep(0.2)
+while True:
+    pass
+"""
+
+
+@pytest.mark.parametrize("code", [_SELF_CPU_KILL, _CHILD_CPU_KILL], ids=["setrlimit", "prlimit_from_a_child"])
+def test_a_cell_that_lowers_its_own_cpu_limit_is_not_an_infrastructure_error(sandbox, code):
+    """Attack: a policy that knows it will be wrong lowers its own RLIMIT_CPU (hard) to 0 and spins, so the kernel's
+    SIGKILL looks like a kill from outside and its completion drops out of the loss (reward None instead of -1).
+    The sandbox must see that the limit was the cell's own: the cell's error, never `infra_error`."""
+    s = sandbox.session()
+    assert s.run("x = 1").ok
+    r = s.run(code)
+    assert not r.ok and not r.infra_error, r
+    assert "CPU" in r.output.splitlines()[-1], r.output
+
+
+def test_an_outside_sigkill_is_still_infrastructure(sandbox):
+    """The other side of the rule: a kill the cell could not have caused (an operator's `kill -9` during a call,
+    with the jail's limits untouched) stays `infra_error=True`, so the rollout retries it."""
+    import signal
+    import threading
+
+    s = sandbox.session()
+    assert s.run("x = 1").ok
+    timer = threading.Timer(0.5, lambda: os.kill(s._proc.host_pid, signal.SIGKILL))
+    timer.start()
+    r = s.run("import time\nwhile True: time.sleep(0.01)")
+    timer.join()
+    assert not r.ok and r.infra_error, r
+
+
+def test_self_inflicted_cpu_kill_is_scored_minus_one_through_the_rollout(sandbox):
+    """End to end: the same attack inside a rollout (which retries infrastructure errors once) and the reward
+    `boxed_accuracy` gives it. A wrong answer stays -1: the attack cannot take its completion out of the loss."""
+    from retool_trl.rewards.functions import boxed_accuracy
+    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from testing_utils import ScriptedBackend, make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    script = f"<code>{_SELF_CPU_KILL}</code>so \\boxed{{5}}"
+    prompts = [tokenizer("Q: ", add_special_tokens=False)["input_ids"]]
+    spec = RolloutSpec(max_completion_length=400, eos_token_ids=[tokenizer.eos_token_id])
+    result = interleaved_rollout(prompts, ScriptedBackend(tokenizer, [script]), sandbox, tokenizer, spec)
+    assert result.infra_failed == [False] and result.num_infra_errors == [0], result
+    completion = tokenizer.decode(result.completion_ids[0])
+    rewards = boxed_accuracy([completion], ["7"], infra_failed=result.infra_failed)
+    assert rewards == [-1.0]
