@@ -7,13 +7,13 @@ the freezer tests, a writable cgroup freezer; elsewhere they skip and say which 
 """
 
 import os
-import time
 
 import pytest
 
 from retool_trl.sandbox import LocalSandbox
 
 pytestmark = pytest.mark.timeout(180)
+
 
 @pytest.fixture(scope="module")
 def sandbox():
