@@ -16,9 +16,8 @@ def death_cause(status, cgroups, own_limit=None) -> dict:
 
     `oom` says whether the session's own memory bound killed it; `own_limit` (from `own_limit_reached`, read before
     the process was reaped) names a hard limit the process had lowered itself ("CPU time"), which the kernel
-    enforces by SIGKILL. Any other SIGKILL
-    came from outside the jail (nothing inside can kill its pid 1): the machine's or the whole sandbox's OOM killer,
-    or an operator, which the host reports as infrastructure.
+    enforces by SIGKILL. Any other SIGKILL came from outside the jail (nothing inside can kill its pid 1): the
+    machine's or the whole sandbox's OOM killer, or an operator, which the host reports as infrastructure.
     """
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
