@@ -7,6 +7,7 @@ the freezer tests, a writable cgroup freezer; elsewhere they skip and say which 
 """
 
 import os
+import time
 
 import pytest
 
@@ -92,3 +93,51 @@ def test_self_inflicted_cpu_kill_is_scored_minus_one_through_the_rollout(sandbox
     completion = tokenizer.decode(result.completion_ids[0])
     rewards = boxed_accuracy([completion], ["7"], infra_failed=result.infra_failed)
     assert rewards == [-1.0]
+
+
+# A cell that arranges to run between calls: it disarms the interpreter's signal blocking (its own process, which it
+# may rewrite), installs a SIGCONT handler that computes, and arms a POSIX timer (timer_create) that sends SIGCONT
+# every 50 ms: the timer survives the cell, and each SIGCONT resumes the stopped interpreter into the handler.
+_COMPUTE_BETWEEN_CALLS = """
+import ctypes, signal, sys, time
+for module in list(sys.modules.values()):
+    if hasattr(module, "_quiet_signals") and hasattr(module, "_serve"):
+        module._quiet_signals = lambda: signal.pthread_sigmask(signal.SIG_SETMASK, [])
+def spin(*_):
+    end = time.process_time() + 0.04
+    while time.process_time() < end:
+        pass
+signal.signal(signal.SIGCONT, spin)
+libc = ctypes.CDLL(None, use_errno=True)
+event = (ctypes.c_byte * 64)()
+ctypes.c_int.from_buffer(event, 8).value = int(signal.SIGCONT)  # sigev_signo; sigev_notify 0 = SIGEV_SIGNAL
+timer = ctypes.c_void_p()
+assert libc.timer_create(1, event, ctypes.byref(timer)) == 0  # CLOCK_MONOTONIC
+spec = (ctypes.c_long * 4)(0, 50_000_000, 0, 50_000_000)  # every 50 ms, first in 50 ms
+assert libc.timer_settime(timer, 0, spec, None) == 0
+print("armed")
+"""
+
+
+def _process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_parked_session_does_not_compute_between_calls(sandbox):
+    """Attack: a policy that computes while its session is parked (a timer's SIGCONT resuming the interpreter into
+    a handler), taking CPU from its neighbours' calls outside any call's time and CPU budget. Where the sandbox has
+    a cgroup freezer, the parked session stays frozen between calls: it uses ~0 CPU over a 2 s gap."""
+    s = sandbox.session()
+    assert s.run("pass").ok
+    if not ({"freezer", "v2"} & set(s._proc.cgroups)):
+        pytest.skip("needs a writable cgroup freezer (v1 freezer or v2 cgroup.freeze): elsewhere SIGSTOP alone parks")
+    r = s.run(_COMPUTE_BETWEEN_CALLS)
+    assert r.ok and "armed" in r.output, r
+    pid = s._proc.host_pid
+    before = _process_cpu_s(pid)
+    time.sleep(2.0)
+    between = _process_cpu_s(pid) - before
+    assert between < 0.1, f"the parked session computed {between:.2f} CPU-s between calls"
+    assert s.run("print('next')").output.endswith("next\n")  # and the session still works

@@ -55,6 +55,7 @@ class SessionProcess(JailSweep):
         "proc_fds",
         "socket_buffer",
         "status_buffer",
+        "frozen",
         "pending",
         "status",
         "zygote_gone",
@@ -81,6 +82,7 @@ class SessionProcess(JailSweep):
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
+        self.frozen = False  # parked in its frozen cgroup (see `settle`): thawed for the next call
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -133,6 +135,7 @@ class SessionProcess(JailSweep):
         self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
+        self._thaw()
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
         return None
 
@@ -240,6 +243,9 @@ class SessionProcess(JailSweep):
             error=str(status.get("error") or ""),
             fatal=status.get("fatal") and str(status["fatal"]),
         )
+        # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
+        # stopped process, not a frozen one.
+        self.frozen = self.park_frozen(True)
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"
@@ -339,11 +345,20 @@ class SessionProcess(JailSweep):
                 pass
 
     def hard_kill(self) -> None:
-        """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left)."""
+        """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left). A frozen
+        jail is thawed after the kill: a frozen process dies only once thawed, and nothing of it runs in between."""
         self.signal(signal.SIGKILL)
+        self._thaw()
+
+    def _thaw(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            self.park_frozen(False)
 
     def close(self) -> None:
         """Ends the session: the zygote sees its socket close and retires the jail. Idempotent."""
+        if self.frozen and not self.closed:
+            self.hard_kill()
         try:
             self.sock.close()
         except OSError:

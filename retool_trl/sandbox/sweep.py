@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from .cgroups import freezer_control
+
 _KILL_PASSES = 50
 
 
@@ -68,6 +70,19 @@ class JailSweep:
                 time.sleep(0.0002)
         except OSError:
             return False
+
+    def park_frozen(self, frozen: bool) -> bool:
+        """Freezes a parked session's whole jail until its next call (or thaws it for that call), without waiting:
+        a stopped process can be resumed by a signal (a cell's POSIX timer sending SIGCONT), a frozen one cannot.
+        False where the jail has no freezer (SIGSTOP alone parks it there)."""
+        control = freezer_control(self.cgroups)
+        if control is None:
+            return False
+        try:
+            os.pwrite(self._proc_fd(control[0]), control[1] if frozen else control[2], 0)
+        except OSError:
+            return False
+        return True
 
     def quiet(self, timeout_s: float = 2.0) -> bool | None:
         """Makes the parked process the only one left in its jail: while anything else is in the jail's cgroup,

@@ -25,10 +25,11 @@ import sys
 import time
 import traceback
 
-# The sibling modules `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script directory on
-# sys.path, and cells must not find this package's modules there either, so the directory is on it for these imports
-# only.
+# The sibling modules `cgroups.py`, `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script
+# directory on sys.path, and cells must not find this package's modules there either, so the directory is on it for
+# these imports only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cgroups import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
 from reaping import Jail, death_cause, own_limit_reached, recv_control, rmdir_quietly  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
@@ -278,6 +279,7 @@ class _Zygote:
                 kill(jail.pid, signal.SIGKILL)
             except OSError:
                 pass
+        set_frozen(jail.cgroup_kinds, False)  # the host parks sessions frozen: a frozen process dies once thawed
         self.forget(jail)
 
     def retire(self, jail):
