@@ -141,3 +141,34 @@ def test_a_parked_session_does_not_compute_between_calls(sandbox):
     between = _process_cpu_s(pid) - before
     assert between < 0.1, f"the parked session computed {between:.2f} CPU-s between calls"
     assert s.run("print('next')").output.endswith("next\n")  # and the session still works
+
+
+# A leftover child holding a 2 GB memfd, left alive by a cell that first disarms its interpreter's own end-of-cell
+# killer (its own process, which it may rewrite): the host's cleanup kills it and waits until it has left the jail,
+# which takes as long as the kernel needs to free that file (a few tenths of a second, in one system call).
+_HEAVY_LEFTOVER = """
+import os, sys, time
+for module in list(sys.modules.values()):
+    if hasattr(module, "_kill_descendants") and hasattr(module, "_serve"):
+        module._kill_descendants = lambda *args: None
+if os.fork() == 0:
+    fd = os.memfd_create("hog")
+    os.posix_fallocate(fd, 0, 2048 << 20)
+    time.sleep(100)
+time.sleep(3.0)
+"""
+
+
+def test_the_cleanup_of_leftovers_does_not_time_out_a_neighbour():
+    """Attack: a cell leaves a heavy process behind, timed to end just before a neighbour's cell finishes, so that
+    the end-of-call cleanup of its call (kill, then wait for the kernel to free it) holds up the batch past the
+    neighbour's deadline, and the neighbour, done in time, is reported timed out (its reward -1). The neighbour must
+    get its own result."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the end-of-call cleanup through the jail's own cgroup is made only as root")
+    with LocalSandbox(num_workers=2, timeout_s=3.25, memory_mb=2560, max_file_size_mb=2048, preload=()) as sb:
+        attackers, neighbour = [sb.session()], sb.session()
+        assert all(r.ok for r in sb.run_many([(s, "pass") for s in [*attackers, neighbour]]))
+        pairs = [(s, _HEAVY_LEFTOVER) for s in attackers]
+        results = sb.run_many([*pairs, (neighbour, "import time\ntime.sleep(3.1)\nprint('done')")])
+        assert results[-1].ok and results[-1].output == "done\n", results[-1]

@@ -227,7 +227,9 @@ class Batch:
                     self._spin(lone)
                     if not self.running:
                         continue
-                for key, _ in self.selector.select(max(0.0, wait)):
+                events = self.selector.select(max(0.0, wait))
+                looked = time.monotonic()  # every cell that ended by now is among `events`
+                for key, _ in events:
                     kind, entry = key.data
                     if self.running.get(entry.session) is entry:
                         self._handle(kind, entry)
@@ -239,6 +241,8 @@ class Batch:
                 now = time.monotonic()
                 self._check_cpu_budgets(now)
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
+                    if entry.deadline > looked and self._ended_unseen(entry):
+                        continue  # it ended while this loop was busy settling others: not a timeout
                     if entry.dead:  # the status pipe closed but no account of the death came
                         self._finish(entry, self.sandbox.result_of_crash, now - entry.started)
                     else:
@@ -263,6 +267,19 @@ class Batch:
             used = entry.proc.cpu_used()
             if used is not None and used > budget and not entry.dead:
                 self._finish(entry, self.sandbox.result_of_cpu_limit, now - entry.started)
+
+    def _ended_unseen(self, entry: _Running) -> bool:
+        """Settles a cell whose deadline passed while this loop was busy (another session's cleanup, say) if it is
+        parked by now, and says whether it did: its end came after the loop last looked, and whether before or
+        after the deadline cannot be told, so it gets its result rather than a timeout its neighbour caused."""
+        was_dead = entry.dead
+        self._on_status(entry)
+        if entry.dead and not was_dead:  # it died meanwhile: the zygote's account of how is on its way
+            entry.deadline = time.monotonic() + DEATH_NOTICE_S
+            return True
+        if self.running.get(entry.session) is entry and entry.reported:
+            self._settle_if_parked(entry, tries=1)
+        return self.running.get(entry.session) is not entry
 
     def _spin(self, entry: _Running) -> None:
         """Polls a lone cell's status for a short while before sleeping: most cells of a rollout take well under a

@@ -356,9 +356,8 @@ class SessionProcess(JailSweep):
             self.park_frozen(False)
 
     def close(self) -> None:
-        """Ends the session: the zygote sees its socket close and retires the jail. Idempotent."""
-        if self.frozen and not self.closed:
-            self.hard_kill()
+        """Ends the session: the zygote sees its socket close and retires the jail (and thaws it, frozen or not, to
+        let it die). Never a kill from here: a forked copy of the trainer closes its copies too. Idempotent."""
         try:
             self.sock.close()
         except OSError:

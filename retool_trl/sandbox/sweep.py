@@ -17,6 +17,11 @@ import time
 from .cgroups import freezer_control
 
 _KILL_PASSES = 50
+# How long a sweep waits for its jail to read FROZEN before killing anyway: a process inside a long system call (a
+# big write, freeing a big file) freezes only once that call returns, and a batch loop waiting for it (1 s, it was)
+# holds up every other session's result. A kill needs no completed freeze; what a half-frozen jail forks meanwhile
+# is found when the jail's list is read again.
+FREEZE_WAIT_S = 0.02
 
 
 class JailSweep:
@@ -97,7 +102,7 @@ class JailSweep:
         while members - {self.host_pid}:
             if time.monotonic() > deadline:
                 return False
-            self._freeze(True)
+            self._freeze(True, FREEZE_WAIT_S)
             try:
                 self._kill_members()
             finally:
