@@ -172,3 +172,47 @@ def test_the_cleanup_of_leftovers_does_not_time_out_a_neighbour():
         pairs = [(s, _HEAVY_LEFTOVER) for s in attackers]
         results = sb.run_many([*pairs, (neighbour, "import time\ntime.sleep(3.1)\nprint('done')")])
         assert results[-1].ok and results[-1].output == "done\n", results[-1]
+
+
+# A cell whose child computes a quarter of the time, in bursts (12 ms of work, 36 ms of sleep) for 1.5 s, and which
+# reports when it ran (the wall clock, shared with the trainer).
+_BURSTS = """
+import os, time
+start = time.time()
+if os.fork() == 0:
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        burst = time.process_time() + 0.012
+        while time.process_time() < burst:
+            pass
+        time.sleep(0.036)
+    os._exit(0)
+os.wait()
+print(start, time.time())
+"""
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = most = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def test_cells_computing_in_bursts_are_not_all_admitted_at_once():
+    """Attack: a policy whose cells compute in short bursts (a quarter of the time, in a child) so that no instant
+    look sees them busy: all of a batch's cells are admitted at once on 2 CPUs, and the neighbours' cells run 4-5x
+    slower and time out. CPU use is measured over a window and counted in proportion: 24 such cells on
+    `num_workers=2` run at most about 8 at a time (8 quarters make 2 CPUs), never all 24."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a jail's CPU (all its processes) is counted through its own cgroup only as root")
+    with LocalSandbox(num_workers=2, timeout_s=60.0, preload=()) as sb:
+        sessions = [sb.session() for _ in range(24)]
+        assert all(r.ok for r in sb.run_many([(s, "pass") for s in sessions]))
+        results = sb.run_many([(s, _BURSTS) for s in sessions])
+        assert all(r.ok for r in results), [r.output for r in results if not r.ok][:1]
+        spans = [tuple(map(float, r.output.split())) for r in results]
+        most = _most_at_once(spans)
+        assert most <= 12, f"{most} bursty cells ran at once on num_workers=2"

@@ -21,6 +21,7 @@ from .channel import SETUP_WAIT_S
 logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
+CPU_WINDOW_S = 0.5  # over how long a running cell's CPU use is measured (since its start, while it is younger)
 FIRST_TICK_S = 0.003  # how soon after its start a cell is first checked (a sleeping cell holds its slot so long)
 SPIN_S = 0.0006  # how long a lone cell's status is polled (yielding the CPU) before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
@@ -149,8 +150,8 @@ class _Running:
         "proc",
         "started",
         "deadline",
-        "cpu",
         "cpu_at",
+        "samples",
         "busy",
         "reported",
         "dead",
@@ -171,7 +172,25 @@ class _Running:
         sleeps or waits gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S."""
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
-        self.cpu, self.cpu_at, self.busy = self.proc.load()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
+        self.cpu_at, self.busy = self.started - CPU_TICK_S + FIRST_TICK_S, 1.0
+        self.samples = deque([(self.started, self.proc.load()[1])])  # (when, the jail's CPU seconds then)
+
+    def measure(self, now: float) -> None:
+        """How much of a CPU the cell wants: all of one while a process of its jail is runnable, else the share of a
+        CPU its jail used over the last CPU_WINDOW_S (since its start, while younger). A share, not a yes/no at an
+        instant: cells that compute in bursts between sleeps (a quarter of the time, say) count for what they use."""
+        state, cpu = self.proc.load()
+        first_at, first = self.samples[0]
+        if cpu is not None and first is not None:
+            share = (cpu - first) / max(now - first_at, 1e-6)
+            # Runnable now (the process, or a child it waits for): a whole CPU. On a busy machine the share a cell
+            # gets is less than it wants, and its bursts are then runnable more often: each look counts them.
+            runnable = state == "R" or self.proc.others_runnable()
+            self.busy = 1.0 if runnable else min(1.0, max(0.0, share))
+        self.samples.append((now, cpu))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= CPU_WINDOW_S:
+            self.samples.popleft()
+        self.cpu_at = now
 
     def expect_death(self) -> None:
         """Its status pipe closed: the zygote's account of the death is on its way, and is waited for a short while."""
@@ -184,9 +203,10 @@ class Batch:
     Each cell goes straight to its session process (`SessionProcess`): the request down its pipe, its status back on
     another, and the call settles once the process is parked again, never on the status alone.
 
-    Admission: at most `num_workers` cells *computing* at once. A cell that used under 30% of a CPU over the last tick
-    (sleeping, waiting on IO) does not count, so a batch of sleepers finishes in one sleep while CPU-bound cells are
-    not slowed down (and pushed past their wall-clock limit) by oversubscription. A cell's clock starts once its
+    Admission: at most `num_workers` CPUs' worth of cells *computing* at once. Each running cell counts the share of a
+    CPU its jail used over the last half second (a whole one while runnable), so a batch of sleepers finishes in one
+    sleep, CPU-bound cells are not slowed down (and pushed past their wall-clock limit) by oversubscription, and
+    cells that compute in bursts count for what they use. A cell's clock starts once its
     request is on its way.
     """
 
@@ -413,18 +433,15 @@ class Batch:
         if fd is not None:
             self.selector.unregister(fd)
 
-    def _count_busy(self) -> int:
-        """Running cells of the whole sandbox (every thread's batches) that want a CPU. A cell that is not runnable
-        now and used little CPU over the last tick (sleeping, waiting on IO) gives its slot away; one starved by a
-        loaded machine keeps it (it is runnable)."""
+    def _count_busy(self) -> float:
+        """How many CPUs the running cells of the whole sandbox (every thread's batches) want: each counts the share
+        of a CPU it used over the last window (`_Running.measure`), or a whole one while runnable. A sleeping or
+        waiting cell gives its slot away; one starved by a loaded machine keeps it (it is runnable)."""
         now = time.monotonic()
-        busy = 0
+        busy = 0.0
         for entry in self.sandbox.in_flight.snapshot():
             if now - entry.cpu_at >= CPU_TICK_S:
-                state, cpu = entry.proc.load()
-                if cpu is not None and entry.cpu is not None:
-                    entry.busy = state == "R" or (cpu - entry.cpu) > 0.3 * (now - entry.cpu_at)
-                entry.cpu, entry.cpu_at = cpu, now
+                entry.measure(now)
             busy += entry.busy
         return busy
 

@@ -56,6 +56,18 @@ class JailSweep:
         except (OSError, ValueError):
             return None
 
+    def others_runnable(self) -> bool:
+        """Whether a process of the jail other than the session process is running or waiting for a CPU (state R),
+        from the jail's own cgroup: a cell's children that compute while the cell waits for them want CPUs too."""
+        for pid in (self.members() or set()) - {self.host_pid}:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if stat_fields(f.read())[0] == b"R":
+                        return True
+            except (OSError, IndexError):
+                continue
+        return False
+
     def _freeze(self, frozen: bool, timeout_s: float = 1.0) -> bool:
         """Freezes (or thaws) every process of the jail at once; True once the kernel says it is done."""
         v1 = "freezer" in self.cgroups
