@@ -216,3 +216,32 @@ def test_cells_computing_in_bursts_are_not_all_admitted_at_once():
         spans = [tuple(map(float, r.output.split())) for r in results]
         most = _most_at_once(spans)
         assert most <= 12, f"{most} bursty cells ran at once on num_workers=2"
+
+
+# A cell that writes status frames to its own status pipe (fd 4) as fast as it can for 2 s, then returns.
+_STATUS_SPAM = """
+import json, os, struct, time
+body = json.dumps({"ok": True, "error": None, "fatal": None, "skipped": 0}).encode()
+frame = struct.pack("!I", len(body)) + body
+end = time.monotonic() + 2.0
+while time.monotonic() < end:
+    try:
+        os.write(4, frame)
+    except BlockingIOError:
+        pass
+"""
+
+
+def test_a_cell_spamming_status_frames_does_not_cost_the_trainer_its_cpu(sandbox):
+    """Attack: a policy floods its status channel with frames, and the trainer's batch loop wakes, reads and parses
+    each one on its own CPU, outside the cell's CPU budget (0.6-0.7 CPU-seconds per second of spam). The flood is
+    charged to the cell: it ends its own call with its own error (not an infrastructure one), and the trainer spends
+    a small fraction of a CPU-second on it."""
+    s = sandbox.session()
+    assert s.run("pass").ok
+    before = time.process_time()  # every thread of this process: the trainer side of the sandbox
+    r = s.run(_STATUS_SPAM)
+    spent = time.process_time() - before
+    assert not r.ok and not r.infra_error, r
+    assert "status channel" in r.output.splitlines()[-1], r.output
+    assert spent < 0.2, f"the trainer spent {spent:.2f} CPU-s on a status flood"

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Protocol
 
 from .base import ExecResult, refusal
-from .channel import SETUP_WAIT_S
+from .channel import SETUP_WAIT_S, STATUS_FLOOD
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class _Running:
         "reported",
         "dead",
         "spun",
+        "polled",
         "poll_s",
     )
 
@@ -164,6 +165,7 @@ class _Running:
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
+        self.polled = False  # its status pipe is read at the poll ticks, no longer on every write (see _on_status)
         self.poll_s = PARK_POLL_S
         self.fds: dict[str, int] = {}  # what is registered for it, by kind (the handle may be closed meanwhile)
 
@@ -237,7 +239,7 @@ class Batch:
                 if self.ready:
                     wait = min(wait, CPU_TICK_S)
                 for entry in self.running.values():
-                    if entry.reported:
+                    if entry.reported or entry.polled:
                         wait = min(wait, entry.poll_s)
                 wait = min(wait, CLOSED_CHECK_S, max(0.0, self.budget_check_at - time.monotonic()))
                 # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
@@ -253,9 +255,13 @@ class Batch:
                     kind, entry = key.data
                     if self.running.get(entry.session) is entry:
                         self._handle(kind, entry)
+                for entry in [r for r in self.running.values() if r.polled and not r.dead]:
+                    self._on_status(entry)  # what came since the last tick (a frame larger than the pipe, a flood)
                 for entry in [r for r in self.running.values() if r.reported]:
                     self._settle_if_parked(entry, tries=1)
-                    entry.poll_s = min(2 * entry.poll_s, PARK_POLL_MAX_S)  # a forged status: back off
+                for entry in self.running.values():
+                    if entry.reported or entry.polled:
+                        entry.poll_s = min(2 * entry.poll_s, PARK_POLL_MAX_S)  # a forged status: back off
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
                     self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
@@ -484,6 +490,16 @@ class Batch:
             self._unwatch(entry, "status")
             entry.expect_death()
             return
+        if (entry.proc.status or {}).get("fatal") == STATUS_FLOOD:
+            why = "the cell flooded the sandbox's status channel (fd 4)"
+            self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started, why)
+            return
+        if not entry.polled and "status" in entry.fds:
+            # From its first bytes on, the pipe is read at the (backing-off) poll ticks, not on every write: a cell
+            # writing frames as fast as it can no longer wakes this loop for each (it cost the trainer 0.3-0.7
+            # CPU-seconds per second), and a flood is seen at the next tick.
+            entry.polled = True
+            self._unwatch(entry, "status")
         if entry.proc.status is not None:
             entry.reported = True
             # It parks microseconds after its status: yield the CPU a few times rather than wait a poll tick.

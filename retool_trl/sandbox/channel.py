@@ -29,6 +29,11 @@ _SYS_READ = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
+# The interpreter writes one status frame per call; a cell that writes more than this many (or this many bytes)
+# floods the channel, and its call ends as its own failure: the trainer reads and parses no more of it.
+_STATUS_FLOOD_FRAMES = 64
+_STATUS_FLOOD_BYTES = 4 * _MAX_STATUS
+STATUS_FLOOD = "status flood"
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
@@ -55,6 +60,8 @@ class SessionProcess(JailSweep):
         "proc_fds",
         "socket_buffer",
         "status_buffer",
+        "status_frames",
+        "status_bytes",
         "frozen",
         "pending",
         "status",
@@ -78,6 +85,7 @@ class SessionProcess(JailSweep):
         self.socket_buffer, self.status_buffer = bytearray(), bytearray()
         self.pending = b""  # the part of a large request the pipe did not take yet
         self.status: dict | None = None  # the last status frame of the call in flight
+        self.status_frames = self.status_bytes = 0  # how many came in this call (see _STATUS_FLOOD_FRAMES)
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
@@ -126,6 +134,7 @@ class SessionProcess(JailSweep):
         if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
+        self.status_frames = self.status_bytes = 0
         self._drain_status()  # nothing a cell's late writer left there may count for this call
         try:  # the last call's output must not show in this one's, even if the process dies before it starts
             os.ftruncate(self.output, 0)
@@ -163,7 +172,17 @@ class SessionProcess(JailSweep):
             return True
         if not data:
             return False
+        if (self.status or {}).get("fatal") == STATUS_FLOOD:
+            return True  # already over: nothing more of it is parsed
         self.status_buffer += data
+        self.status_bytes += len(data)
+        # Counted before any is parsed (frames already taken left the buffer): a flood costs one cheap walk.
+        self.status_frames += _count_frames(self.status_buffer, _STATUS_FLOOD_FRAMES + 1)
+        if self.status_frames > _STATUS_FLOOD_FRAMES or self.status_bytes > _STATUS_FLOOD_BYTES:
+            self.status_buffer.clear()
+            error = "SystemError: the cell flooded the sandbox's status channel (fd 4)\n"
+            self.status = {"ok": False, "error": error, "fatal": STATUS_FLOOD}
+            return True
         try:
             frames = take_frames(self.status_buffer, _MAX_STATUS)
         except (ValueError, RecursionError):  # garbage (or JSON nested past the parser's depth): the call still
@@ -368,3 +387,14 @@ class SessionProcess(JailSweep):
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+
+def _count_frames(buffer: bytearray, limit: int) -> int:
+    """How many complete frames the buffer starts with, counting no further than `limit`."""
+    count, at = 0, 0
+    while count < limit and len(buffer) - at >= 4:
+        at += 4 + struct.unpack_from("!I", buffer, at)[0]
+        if at > len(buffer):
+            break
+        count += 1
+    return count
