@@ -412,7 +412,7 @@ class Batch:
             why = "the cell flooded the sandbox's status channel (fd 4)"
             self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started, why)
             return
-        if not entry.polled and "status" in entry.fds:
+        if not entry.polled and entry.proc.status_bytes and "status" in entry.fds:
             # From its first bytes on, the pipe is read at the (backing-off) poll ticks, not on every write: a cell
             # writing frames as fast as it can no longer wakes this loop for each (it cost the trainer 0.3-0.7
             # CPU-seconds per second), and a flood is seen at the next tick.
