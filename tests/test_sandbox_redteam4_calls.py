@@ -259,3 +259,20 @@ def test_a_cell_spamming_status_frames_does_not_cost_the_trainer_its_cpu(sandbox
     assert not r.ok and not r.infra_error, r
     assert "status channel" in r.output.splitlines()[-1], r.output
     assert spent < 0.2, f"the trainer spent {spent:.2f} CPU-s on a status flood"
+
+
+def test_without_a_freezer_a_session_that_ran_between_calls_ends_at_its_next_call(sandbox, monkeypatch):
+    """Stands for a container without writable cgroups, where SIGSTOP alone parks a session (the freezer is turned
+    off here): the same timer attack computes between calls, and cannot profit from it. Its next call fails as its
+    own error (never infrastructure) and its session is ended."""
+    from retool_trl.sandbox import sweep
+
+    monkeypatch.setattr(sweep.JailSweep, "park_frozen", lambda self, frozen: False)
+    s = sandbox.session()
+    r = s.run(_COMPUTE_BETWEEN_CALLS)
+    assert r.ok and "armed" in r.output, r
+    time.sleep(1.0)
+    assert _process_cpu_s(s._proc.host_pid) > 0.1  # it did compute: no freezer held it
+    nxt = s.run("print('next')")
+    assert not nxt.ok and not nxt.infra_error and "between calls" in nxt.output, nxt
+    assert s.broken

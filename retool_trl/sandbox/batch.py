@@ -329,6 +329,10 @@ class Batch:
         problem = proc.begin({"code": self.pairs[index][1]}, setup_wait_s)
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
         self.sandbox.in_flight.add(entry)
+        if problem == "ran while parked":
+            why = "the session ran code between calls (a signal the cell arranged resumed it while it was parked)"
+            self._finish(entry, self.sandbox.result_of_crash, 0.0, why)
+            return
         if problem == "not set up":
             crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
             self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))

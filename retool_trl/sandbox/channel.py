@@ -66,6 +66,7 @@ class SessionProcess(JailSweep):
         "pending",
         "status",
         "zygote_gone",
+        "parked_cpu",
         "idle_point",
         "cgroups",
         "cpu_start",
@@ -91,6 +92,7 @@ class SessionProcess(JailSweep):
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
         self.frozen = False  # parked in its frozen cgroup (see `settle`): thawed for the next call
+        self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -127,12 +129,14 @@ class SessionProcess(JailSweep):
 
     def begin(self, request: dict, setup_wait_s: float = SETUP_WAIT_S) -> str | None:
         """Sends a request and lets the process run. Returns None, or why it could not: "gone" (it died, or its
-        request pipe has no reader) or "not set up" (a fresh jail that did not reach its wait for requests within
-        `setup_wait_s`)."""
+        request pipe has no reader), "not set up" (a fresh jail that did not reach its wait for requests within
+        `setup_wait_s`) or "ran while parked" (it computed since its last call ended: see `ran_while_parked`)."""
         if self.closed:
             return "gone"
         if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
+        if self.ran_while_parked():
+            return "ran while parked"
         self.status, self.status_buffer = None, bytearray()
         self.status_frames = self.status_bytes = 0
         self._drain_status()  # nothing a cell's late writer left there may count for this call
@@ -265,10 +269,21 @@ class SessionProcess(JailSweep):
         # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
         # stopped process, not a frozen one.
         self.frozen = self.park_frozen(True)
+        self.parked_cpu = self.sched_state()[1]
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"
         return reply
+
+    def ran_while_parked(self, slack_s: float = 0.05) -> bool:
+        """Whether the process used CPU since it was parked (past a few clock ticks of slack). Where no freezer
+        holds it (SIGSTOP alone), a cell that arranged a signal to resume it (a POSIX timer's SIGCONT, after
+        rewriting its own interpreter's loop) computes between calls: its session then ends at its next call, as
+        the cell's failure."""
+        if self.parked_cpu is None:
+            return False
+        now = self.sched_state()[1]
+        return now is not None and now - self.parked_cpu > slack_s
 
     # ------------------------------------------------------------------------------------------------ limits
 
