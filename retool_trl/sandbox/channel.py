@@ -19,6 +19,7 @@ import signal
 import socket
 import struct
 import termios
+import threading
 import time
 
 from .protocol import CREDS, frame, take_frames
@@ -36,6 +37,7 @@ _STATUS_FLOOD_BYTES = 4 * _MAX_STATUS
 STATUS_FLOOD = "status flood"
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
+_FDS_LOCK = threading.Lock()  # opening a session's /proc and cgroup files, against closing them (see _proc_fd)
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
@@ -353,13 +355,20 @@ class SessionProcess(JailSweep):
 
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
-        if fd is None and self.closed:
-            raise OSError(errno.EBADF, "the session process handle is closed")
-        if fd is None:
-            path = f"task/{self.host_pid}/children" if name == "children" else name
-            path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
-            flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
-            fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
+        if fd is not None:
+            return fd
+        # Opened under the lock `close` takes: another thread's batch measures this session's CPU while its own
+        # thread may be closing it, and a file opened between `close` listing the descriptors and dropping them
+        # would never be closed.
+        with _FDS_LOCK:
+            if self.closed:
+                raise OSError(errno.EBADF, "the session process handle is closed")
+            fd = self.proc_fds.get(name)
+            if fd is None:
+                path = f"task/{self.host_pid}/children" if name == "children" else name
+                path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
+                flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
+                fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
         return fd
 
     def exited(self, grace_s: float = 0.05) -> bool:
@@ -396,9 +405,10 @@ class SessionProcess(JailSweep):
             self.sock.close()
         except OSError:
             pass
-        fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
-        self.request_w = self.status_r = self.output = self.pidfd = None
-        self.proc_fds = {}
+        with _FDS_LOCK:
+            fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
+            self.request_w = self.status_r = self.output = self.pidfd = None
+            self.proc_fds = {}
         for fd in fds:
             if fd is not None:
                 os.close(fd)
