@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import threading
 import time
 from collections import deque
 from typing import Protocol
 
+from .admission import InFlight
 from .base import ExecResult, refusal
-from .channel import SETUP_WAIT_S
+from .channel import SETUP_WAIT_S, STATUS_FLOOD
 
 logger = logging.getLogger(__name__)
 
 CPU_TICK_S = 0.05  # how often a full pool re-checks whether its running cells actually use a CPU
+CPU_WINDOW_S = 0.5  # over how long a running cell's CPU use is measured (since its start, while it is younger)
 FIRST_TICK_S = 0.003  # how soon after its start a cell is first checked (a sleeping cell holds its slot so long)
 SPIN_S = 0.0006  # how long a lone cell's status is polled (yielding the CPU) before the batch sleeps until it comes
 PARK_POLL_S = 0.0002  # how soon a cell whose status came is checked again for being parked...
@@ -57,88 +58,6 @@ class BatchHost(Protocol):
     ) -> ExecResult: ...
 
 
-class InFlight:
-    """The cells running in all batches of one sandbox: several threads may run batches at once (the async rollout
-    runs one per completion), and the CPU-aware admission counts them all.
-
-    It also keeps the line of batches waiting for a CPU slot, oldest first: a slot that frees goes to the batch that
-    waited longest, whose thread is woken at once, rather than to whichever of dozens of polling threads looks first.
-    Without the line, 32 threads each running one cell waited up to 125 ms (p99) for a slot that others, arriving
-    later, kept taking; and their polling itself took the CPU the cells needed."""
-
-    def __init__(self):
-        self._entries: set = set()
-        self._lock = threading.Lock()
-        self._line: deque = deque()  # (batch, event) of batches waiting for a slot, oldest first
-        # Slots are counted and taken under one lock, and a taken slot counts from then on (`claimed`), before its
-        # cell is in `_entries`: otherwise a burst of threads all see the same free slots and all take them.
-        self.admitting = threading.Lock()
-        self.claimed = 0
-
-    @property
-    def count(self) -> int:
-        return len(self._entries)
-
-    def add(self, entry) -> None:
-        with self._lock:
-            self._entries.add(entry)
-
-    def remove(self, entry) -> None:
-        with self._lock:
-            self._entries.discard(entry)
-            self._wake_first()  # a slot may be free: the longest waiter looks first
-
-    def _wake_first(self) -> None:
-        """Wakes the batch first in line, if any (called with `_lock` held)."""
-        if self._line:
-            self._line[0][1].set()
-
-    def snapshot(self) -> list:
-        with self._lock:
-            return list(self._entries)
-
-    def release_claims(self, count: int) -> None:
-        """Slots taken by an admission whose cells are now in flight (or failed to start): no longer claimed."""
-        if count:
-            with self.admitting:
-                self.claimed -= count
-            with self._lock:
-                self._wake_first()
-
-    def first_in_line(self, batch) -> bool:
-        """Whether `batch` may take a slot now: nobody waits, or it waited longest (it joins the line otherwise)."""
-        with self._lock:
-            if not self._line:
-                return True
-            if not any(waiting is batch for waiting, _ in self._line):
-                self._line.append((batch, threading.Event()))
-            return self._line[0][0] is batch
-
-    def wait_in_line(self, batch, timeout_s: float) -> None:
-        """Joins the line if not in it, and sleeps until woken (a slot may have freed, or it became first) or, as a
-        safety net for a slot freed without a wake-up (a running cell that went to sleep), `timeout_s` passed: the
-        first in line checks every `timeout_s`, the others ten times less often."""
-        with self._lock:
-            event = next((e for waiting, e in self._line if waiting is batch), None)
-            if event is None:
-                event = threading.Event()
-                self._line.append((batch, event))
-            first = self._line[0][0] is batch
-        event.wait(timeout_s if first else 10 * timeout_s)
-        event.clear()
-
-    def leave_line(self, batch) -> None:
-        """Leaves the line (it took a slot, or stopped waiting); wakes whoever is first now."""
-        with self._lock:
-            for item in self._line:
-                if item[0] is batch:
-                    self._line.remove(item)
-                    break
-            else:
-                return
-            self._wake_first()
-
-
 class _Running:
     """A dispatched cell."""
 
@@ -149,12 +68,13 @@ class _Running:
         "proc",
         "started",
         "deadline",
-        "cpu",
         "cpu_at",
+        "samples",
         "busy",
         "reported",
         "dead",
         "spun",
+        "polled",
         "poll_s",
     )
 
@@ -163,6 +83,7 @@ class _Running:
         self.reported = False  # its status came: it is over once its process parks
         self.dead = False  # its status pipe closed: the zygote's account of the death is on its way
         self.spun = False  # its status was polled once before the batch first slept
+        self.polled = False  # its status pipe is read at the poll ticks, no longer on every write (see _on_status)
         self.poll_s = PARK_POLL_S
         self.fds: dict[str, int] = {}  # what is registered for it, by kind (the handle may be closed meanwhile)
 
@@ -171,7 +92,25 @@ class _Running:
         sleeps or waits gives its slot away early (its state is "S" and it used no CPU), then every CPU_TICK_S."""
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
-        self.cpu, self.cpu_at, self.busy = self.proc.load()[1], self.started - CPU_TICK_S + FIRST_TICK_S, True
+        self.cpu_at, self.busy = self.started - CPU_TICK_S + FIRST_TICK_S, 1.0
+        self.samples = deque([(self.started, self.proc.load()[1])])  # (when, the jail's CPU seconds then)
+
+    def measure(self, now: float) -> None:
+        """How much of a CPU the cell wants: all of one while a process of its jail is runnable, else the share of a
+        CPU its jail used over the last CPU_WINDOW_S (since its start, while younger). A share, not a yes/no at an
+        instant: cells that compute in bursts between sleeps (a quarter of the time, say) count for what they use."""
+        state, cpu = self.proc.load()
+        first_at, first = self.samples[0]
+        if cpu is not None and first is not None:
+            share = (cpu - first) / max(now - first_at, 1e-6)
+            # Runnable now (the process, or a child it waits for): a whole CPU. On a busy machine the share a cell
+            # gets is less than it wants, and its bursts are then runnable more often: each look counts them.
+            runnable = state == "R" or self.proc.others_runnable()
+            self.busy = 1.0 if runnable else min(1.0, max(0.0, share))
+        self.samples.append((now, cpu))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= CPU_WINDOW_S:
+            self.samples.popleft()
+        self.cpu_at = now
 
     def expect_death(self) -> None:
         """Its status pipe closed: the zygote's account of the death is on its way, and is waited for a short while."""
@@ -184,9 +123,10 @@ class Batch:
     Each cell goes straight to its session process (`SessionProcess`): the request down its pipe, its status back on
     another, and the call settles once the process is parked again, never on the status alone.
 
-    Admission: at most `num_workers` cells *computing* at once. A cell that used under 30% of a CPU over the last tick
-    (sleeping, waiting on IO) does not count, so a batch of sleepers finishes in one sleep while CPU-bound cells are
-    not slowed down (and pushed past their wall-clock limit) by oversubscription. A cell's clock starts once its
+    Admission: at most `num_workers` CPUs' worth of cells *computing* at once. Each running cell counts the share of a
+    CPU its jail used over the last half second (a whole one while runnable), so a batch of sleepers finishes in one
+    sleep, CPU-bound cells are not slowed down (and pushed past their wall-clock limit) by oversubscription, and
+    cells that compute in bursts count for what they use. A cell's clock starts once its
     request is on its way.
     """
 
@@ -217,7 +157,7 @@ class Batch:
                 if self.ready:
                     wait = min(wait, CPU_TICK_S)
                 for entry in self.running.values():
-                    if entry.reported:
+                    if entry.reported or entry.polled:
                         wait = min(wait, entry.poll_s)
                 wait = min(wait, CLOSED_CHECK_S, max(0.0, self.budget_check_at - time.monotonic()))
                 # Only a cell alone in the whole sandbox is polled: with others running, the CPU is theirs.
@@ -227,18 +167,26 @@ class Batch:
                     self._spin(lone)
                     if not self.running:
                         continue
-                for key, _ in self.selector.select(max(0.0, wait)):
+                events = self.selector.select(max(0.0, wait))
+                looked = time.monotonic()  # every cell that ended by now is among `events`
+                for key, _ in events:
                     kind, entry = key.data
                     if self.running.get(entry.session) is entry:
                         self._handle(kind, entry)
+                for entry in [r for r in self.running.values() if r.polled and not r.dead]:
+                    self._on_status(entry)  # what came since the last tick (a frame larger than the pipe, a flood)
                 for entry in [r for r in self.running.values() if r.reported]:
                     self._settle_if_parked(entry, tries=1)
-                    entry.poll_s = min(2 * entry.poll_s, PARK_POLL_MAX_S)  # a forged status: back off
+                for entry in self.running.values():
+                    if entry.reported or entry.polled:
+                        entry.poll_s = min(2 * entry.poll_s, PARK_POLL_MAX_S)  # a forged status: back off
                 for entry in [r for r in self.running.values() if r.proc.closed]:  # closed by another thread
                     self._finish(entry, lambda session: refusal(True, None))
                 now = time.monotonic()
                 self._check_cpu_budgets(now)
                 for entry in [r for r in self.running.values() if r.deadline <= now]:
+                    if entry.deadline > looked and self._ended_unseen(entry):
+                        continue  # it ended while this loop was busy settling others: not a timeout
                     if entry.dead:  # the status pipe closed but no account of the death came
                         self._finish(entry, self.sandbox.result_of_crash, now - entry.started)
                     else:
@@ -263,6 +211,19 @@ class Batch:
             used = entry.proc.cpu_used()
             if used is not None and used > budget and not entry.dead:
                 self._finish(entry, self.sandbox.result_of_cpu_limit, now - entry.started)
+
+    def _ended_unseen(self, entry: _Running) -> bool:
+        """Settles a cell whose deadline passed while this loop was busy (another session's cleanup, say) if it is
+        parked by now, and says whether it did: its end came after the loop last looked, and whether before or
+        after the deadline cannot be told, so it gets its result rather than a timeout its neighbour caused."""
+        was_dead = entry.dead
+        self._on_status(entry)
+        if entry.dead and not was_dead:  # it died meanwhile: the zygote's account of how is on its way
+            entry.deadline = time.monotonic() + DEATH_NOTICE_S
+            return True
+        if self.running.get(entry.session) is entry and entry.reported:
+            self._settle_if_parked(entry, tries=1)
+        return self.running.get(entry.session) is not entry
 
     def _spin(self, entry: _Running) -> None:
         """Polls a lone cell's status for a short while before sleeping: most cells of a rollout take well under a
@@ -368,6 +329,10 @@ class Batch:
         problem = proc.begin({"code": self.pairs[index][1]}, setup_wait_s)
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
         self.sandbox.in_flight.add(entry)
+        if problem == "ran while parked":
+            why = "the session ran code between calls (a signal the cell arranged resumed it while it was parked)"
+            self._finish(entry, self.sandbox.result_of_crash, 0.0, why)
+            return
         if problem == "not set up":
             crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
             self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))
@@ -396,18 +361,15 @@ class Batch:
         if fd is not None:
             self.selector.unregister(fd)
 
-    def _count_busy(self) -> int:
-        """Running cells of the whole sandbox (every thread's batches) that want a CPU. A cell that is not runnable
-        now and used little CPU over the last tick (sleeping, waiting on IO) gives its slot away; one starved by a
-        loaded machine keeps it (it is runnable)."""
+    def _count_busy(self) -> float:
+        """How many CPUs the running cells of the whole sandbox (every thread's batches) want: each counts the share
+        of a CPU it used over the last window (`_Running.measure`), or a whole one while runnable. A sleeping or
+        waiting cell gives its slot away; one starved by a loaded machine keeps it (it is runnable)."""
         now = time.monotonic()
-        busy = 0
+        busy = 0.0
         for entry in self.sandbox.in_flight.snapshot():
             if now - entry.cpu_at >= CPU_TICK_S:
-                state, cpu = entry.proc.load()
-                if cpu is not None and entry.cpu is not None:
-                    entry.busy = state == "R" or (cpu - entry.cpu) > 0.3 * (now - entry.cpu_at)
-                entry.cpu, entry.cpu_at = cpu, now
+                entry.measure(now)
             busy += entry.busy
         return busy
 
@@ -450,6 +412,16 @@ class Batch:
             self._unwatch(entry, "status")
             entry.expect_death()
             return
+        if (entry.proc.status or {}).get("fatal") == STATUS_FLOOD:
+            why = "the cell flooded the sandbox's status channel (fd 4)"
+            self._finish(entry, self.sandbox.result_of_crash, time.monotonic() - entry.started, why)
+            return
+        if not entry.polled and entry.proc.status_bytes and "status" in entry.fds:
+            # From its first bytes on, the pipe is read at the (backing-off) poll ticks, not on every write: a cell
+            # writing frames as fast as it can no longer wakes this loop for each (it cost the trainer 0.3-0.7
+            # CPU-seconds per second), and a flood is seen at the next tick.
+            entry.polled = True
+            self._unwatch(entry, "status")
         if entry.proc.status is not None:
             entry.reported = True
             # It parks microseconds after its status: yield the CPU a few times rather than wait a poll tick.

@@ -19,6 +19,7 @@ import signal
 import socket
 import struct
 import termios
+import threading
 import time
 
 from .protocol import CREDS, frame, take_frames
@@ -29,8 +30,14 @@ _SYS_READ = {"x86_64": b"0", "aarch64": b"63"}.get(platform.machine())
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
+# The interpreter writes one status frame per call; a cell that writes more than this many (or this many bytes)
+# floods the channel, and its call ends as its own failure: the trainer reads and parses no more of it.
+_STATUS_FLOOD_FRAMES = 64
+_STATUS_FLOOD_BYTES = 4 * _MAX_STATUS
+STATUS_FLOOD = "status flood"
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
+_FDS_LOCK = threading.Lock()  # opening a session's /proc and cgroup files, against closing them (see _proc_fd)
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
@@ -55,9 +62,13 @@ class SessionProcess(JailSweep):
         "proc_fds",
         "socket_buffer",
         "status_buffer",
+        "status_frames",
+        "status_bytes",
+        "frozen",
         "pending",
         "status",
         "zygote_gone",
+        "parked_cpu",
         "idle_point",
         "cgroups",
         "cpu_start",
@@ -77,10 +88,13 @@ class SessionProcess(JailSweep):
         self.socket_buffer, self.status_buffer = bytearray(), bytearray()
         self.pending = b""  # the part of a large request the pipe did not take yet
         self.status: dict | None = None  # the last status frame of the call in flight
+        self.status_frames = self.status_bytes = 0  # how many came in this call (see _STATUS_FLOOD_FRAMES)
         self.zygote_gone = False  # the socket closed from the zygote's side: no account of a death will come
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
+        self.frozen = False  # parked in its frozen cgroup (see `settle`): thawed for the next call
+        self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -117,13 +131,16 @@ class SessionProcess(JailSweep):
 
     def begin(self, request: dict, setup_wait_s: float = SETUP_WAIT_S) -> str | None:
         """Sends a request and lets the process run. Returns None, or why it could not: "gone" (it died, or its
-        request pipe has no reader) or "not set up" (a fresh jail that did not reach its wait for requests within
-        `setup_wait_s`)."""
+        request pipe has no reader), "not set up" (a fresh jail that did not reach its wait for requests within
+        `setup_wait_s`) or "ran while parked" (it computed since its last call ended: see `ran_while_parked`)."""
         if self.closed:
             return "gone"
         if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
+        if self.ran_while_parked():
+            return "ran while parked"
         self.status, self.status_buffer = None, bytearray()
+        self.status_frames = self.status_bytes = 0
         self._drain_status()  # nothing a cell's late writer left there may count for this call
         try:  # the last call's output must not show in this one's, even if the process dies before it starts
             os.ftruncate(self.output, 0)
@@ -133,6 +150,7 @@ class SessionProcess(JailSweep):
         self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
+        self._thaw()
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
         return None
 
@@ -160,7 +178,17 @@ class SessionProcess(JailSweep):
             return True
         if not data:
             return False
+        if (self.status or {}).get("fatal") == STATUS_FLOOD:
+            return True  # already over: nothing more of it is parsed
         self.status_buffer += data
+        self.status_bytes += len(data)
+        # Counted before any is parsed (frames already taken left the buffer): a flood costs one cheap walk.
+        self.status_frames += _count_frames(self.status_buffer, _STATUS_FLOOD_FRAMES + 1)
+        if self.status_frames > _STATUS_FLOOD_FRAMES or self.status_bytes > _STATUS_FLOOD_BYTES:
+            self.status_buffer.clear()
+            error = "SystemError: the cell flooded the sandbox's status channel (fd 4)\n"
+            self.status = {"ok": False, "error": error, "fatal": STATUS_FLOOD}
+            return True
         try:
             frames = take_frames(self.status_buffer, _MAX_STATUS)
         except (ValueError, RecursionError):  # garbage (or JSON nested past the parser's depth): the call still
@@ -240,10 +268,24 @@ class SessionProcess(JailSweep):
             error=str(status.get("error") or ""),
             fatal=status.get("fatal") and str(status["fatal"]),
         )
+        # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
+        # stopped process, not a frozen one.
+        self.frozen = self.park_frozen(True)
+        self.parked_cpu = self.sched_state()[1]
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"
         return reply
+
+    def ran_while_parked(self, slack_s: float = 0.05) -> bool:
+        """Whether the process used CPU since it was parked (past a few clock ticks of slack). Where no freezer
+        holds it (SIGSTOP alone), a cell that arranged a signal to resume it (a POSIX timer's SIGCONT, after
+        rewriting its own interpreter's loop) computes between calls: its session then ends at its next call, as
+        the cell's failure."""
+        if self.parked_cpu is None:
+            return False
+        now = self.sched_state()[1]
+        return now is not None and now - self.parked_cpu > slack_s
 
     # ------------------------------------------------------------------------------------------------ limits
 
@@ -313,13 +355,20 @@ class SessionProcess(JailSweep):
 
     def _proc_fd(self, name: str) -> int:
         fd = self.proc_fds.get(name)
-        if fd is None and self.closed:
-            raise OSError(errno.EBADF, "the session process handle is closed")
-        if fd is None:
-            path = f"task/{self.host_pid}/children" if name == "children" else name
-            path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
-            flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
-            fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
+        if fd is not None:
+            return fd
+        # Opened under the lock `close` takes: another thread's batch measures this session's CPU while its own
+        # thread may be closing it, and a file opened between `close` listing the descriptors and dropping them
+        # would never be closed.
+        with _FDS_LOCK:
+            if self.closed:
+                raise OSError(errno.EBADF, "the session process handle is closed")
+            fd = self.proc_fds.get(name)
+            if fd is None:
+                path = f"task/{self.host_pid}/children" if name == "children" else name
+                path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
+                flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
+                fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
         return fd
 
     def exited(self, grace_s: float = 0.05) -> bool:
@@ -339,18 +388,38 @@ class SessionProcess(JailSweep):
                 pass
 
     def hard_kill(self) -> None:
-        """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left)."""
+        """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left). A frozen
+        jail is thawed after the kill: a frozen process dies only once thawed, and nothing of it runs in between."""
         self.signal(signal.SIGKILL)
+        self._thaw()
+
+    def _thaw(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            self.park_frozen(False)
 
     def close(self) -> None:
-        """Ends the session: the zygote sees its socket close and retires the jail. Idempotent."""
+        """Ends the session: the zygote sees its socket close and retires the jail (and thaws it, frozen or not, to
+        let it die). Never a kill from here: a forked copy of the trainer closes its copies too. Idempotent."""
         try:
             self.sock.close()
         except OSError:
             pass
-        fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
-        self.request_w = self.status_r = self.output = self.pidfd = None
-        self.proc_fds = {}
+        with _FDS_LOCK:
+            fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
+            self.request_w = self.status_r = self.output = self.pidfd = None
+            self.proc_fds = {}
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+
+def _count_frames(buffer: bytearray, limit: int) -> int:
+    """How many complete frames the buffer starts with, counting no further than `limit`."""
+    count, at = 0, 0
+    while count < limit and len(buffer) - at >= 4:
+        at += 4 + struct.unpack_from("!I", buffer, at)[0]
+        if at > len(buffer):
+            break
+        count += 1
+    return count

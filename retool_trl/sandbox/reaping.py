@@ -11,17 +11,45 @@ import struct
 HEADER = struct.Struct("!I")
 
 
-def death_cause(status, cgroups) -> dict:
+def death_cause(status, cgroups, own_limit=None) -> dict:
     """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "oom": bool}`.
 
-    `oom` says whether the session's own memory bound killed it. Any other SIGKILL came from outside the jail
-    (nothing inside can kill its pid 1, and there is no hard CPU limit): the machine's or the whole sandbox's OOM
-    killer, or an operator, which the host reports as infrastructure.
+    `oom` says whether the session's own memory bound killed it; `own_limit` (from `own_limit_reached`, read before
+    the process was reaped) names a hard limit the process had lowered itself ("CPU time"), which the kernel
+    enforces by SIGKILL. Any other SIGKILL came from outside the jail (nothing inside can kill its pid 1): the
+    machine's or the whole sandbox's OOM killer, or an operator, which the host reports as infrastructure.
     """
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return {"signal": sig, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
+        cause = {"signal": sig, "oom": sig == signal.SIGKILL and oom_killed(cgroups)}
+        if sig == signal.SIGKILL and own_limit:
+            cause["own_limit"] = own_limit
+        return cause
     return {"exit": os.WEXITSTATUS(status)}
+
+
+# The hard limits whose overrun the kernel punishes with SIGKILL, and which the sandbox leaves unlimited.
+_KILLING_LIMITS = {"Max cpu time": "CPU time", "Max realtime timeout": "real-time CPU"}
+
+
+def own_limit_reached(pid):
+    """The name of a hard limit that a dead, not yet reaped process had set itself ("CPU time"), else None.
+
+    The sandbox leaves these limits unlimited, so a finite one is the process's own doing (`setrlimit`, or `prlimit`
+    from a process of its jail), and the kernel's SIGKILL at it is the cell's failure, not the sandbox's. Read from
+    the zombie's /proc/PID/limits, which the kernel keeps until it is reaped. (Its CPU time is not: a zombie's
+    /proc/PID/stat reads 0, and a hard limit of 0 kills at the first tick.)"""
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        for prefix, name in _KILLING_LIMITS.items():
+            fields = line[len(prefix) :].split()
+            if line.startswith(prefix) and len(fields) >= 2 and fields[1] != "unlimited":
+                return name
+    return None
 
 
 def oom_killed(cgroups) -> bool:

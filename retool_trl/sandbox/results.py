@@ -108,6 +108,11 @@ class CallResults:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
             elif sig == signal.SIGKILL and crash.get("oom"):
                 line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
+            elif sig == signal.SIGKILL and crash.get("own_limit"):
+                # The kernel enforced a hard limit the cell lowered itself: the cell's failure, scored as such.
+                limit = crash["own_limit"]
+                line = f"TimeoutError: the interpreter passed the {limit} limit the cell set itself (SIGKILL)"
+                timed_out = True
             elif sig == signal.SIGKILL and not self._sessions_are_pid_one():
                 # Without a pid namespace of its own the cell can SIGKILL its interpreter itself: were that the
                 # sandbox's failure, a snippet could leave its completion unscored (no -1) at will.

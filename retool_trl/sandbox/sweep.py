@@ -14,7 +14,14 @@ import os
 import signal
 import time
 
+from .cgroups import freezer_control
+
 _KILL_PASSES = 50
+# How long a sweep waits for its jail to read FROZEN before killing anyway: a process inside a long system call (a
+# big write, freeing a big file) freezes only once that call returns, and a batch loop waiting for it (1 s, it was)
+# holds up every other session's result. A kill needs no completed freeze; what a half-frozen jail forks meanwhile
+# is found when the jail's list is read again.
+FREEZE_WAIT_S = 0.02
 
 
 class JailSweep:
@@ -49,6 +56,18 @@ class JailSweep:
         except (OSError, ValueError):
             return None
 
+    def others_runnable(self) -> bool:
+        """Whether a process of the jail other than the session process is running or waiting for a CPU (state R),
+        from the jail's own cgroup: a cell's children that compute while the cell waits for them want CPUs too."""
+        for pid in (self.members() or set()) - {self.host_pid}:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if stat_fields(f.read())[0] == b"R":
+                        return True
+            except (OSError, IndexError):
+                continue
+        return False
+
     def _freeze(self, frozen: bool, timeout_s: float = 1.0) -> bool:
         """Freezes (or thaws) every process of the jail at once; True once the kernel says it is done."""
         v1 = "freezer" in self.cgroups
@@ -69,6 +88,19 @@ class JailSweep:
         except OSError:
             return False
 
+    def park_frozen(self, frozen: bool) -> bool:
+        """Freezes a parked session's whole jail until its next call (or thaws it for that call), without waiting:
+        a stopped process can be resumed by a signal (a cell's POSIX timer sending SIGCONT), a frozen one cannot.
+        False where the jail has no freezer (SIGSTOP alone parks it there)."""
+        control = freezer_control(self.cgroups)
+        if control is None:
+            return False
+        try:
+            os.pwrite(self._proc_fd(control[0]), control[1] if frozen else control[2], 0)
+        except OSError:
+            return False
+        return True
+
     def quiet(self, timeout_s: float = 2.0) -> bool | None:
         """Makes the parked process the only one left in its jail: while anything else is in the jail's cgroup,
         freezes the whole cgroup (nothing in it can fork, exit or hop any more), kills every other process, thaws,
@@ -82,7 +114,7 @@ class JailSweep:
         while members - {self.host_pid}:
             if time.monotonic() > deadline:
                 return False
-            self._freeze(True)
+            self._freeze(True, FREEZE_WAIT_S)
             try:
                 self._kill_members()
             finally:

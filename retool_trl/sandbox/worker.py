@@ -25,12 +25,13 @@ import sys
 import time
 import traceback
 
-# The sibling modules `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script directory on
-# sys.path, and cells must not find this package's modules there either, so the directory is on it for these imports
-# only.
+# The sibling modules `cgroups.py`, `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script
+# directory on sys.path, and cells must not find this package's modules there either, so the directory is on it for
+# these imports only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cgroups import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
-from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
+from reaping import Jail, death_cause, own_limit_reached, recv_control, rmdir_quietly  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
@@ -248,9 +249,9 @@ class _Zygote:
         os.close(jail.ready_r)
         jail.ready_r = None
 
-    def report_death(self, jail, status):
+    def report_death(self, jail, status, own_limit=None):
         """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
-        cause = death_cause(status, jail.cgroups)
+        cause = death_cause(status, jail.cgroups, own_limit)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -278,6 +279,7 @@ class _Zygote:
                 kill(jail.pid, signal.SIGKILL)
             except OSError:
                 pass
+        set_frozen(jail.cgroup_kinds, False)  # the host parks sessions frozen: a frozen process dies once thawed
         self.forget(jail)
 
     def retire(self, jail):
@@ -298,12 +300,15 @@ class _Zygote:
     def reap(self):
         """Reaps every dead child without ever blocking, so any number of deaths at once cost one pass."""
         while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+            try:  # looked at before it is reaped: a SIGKILLed jail's own limits are readable only until then
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if info is None:
                 break
+            killed = info.si_code == os.CLD_KILLED and info.si_status == signal.SIGKILL and info.si_pid in self.jails
+            own_limit = own_limit_reached(info.si_pid) if killed else None
+            pid, status = os.waitpid(info.si_pid, 0)
             jail = self.jails.pop(pid, None)
             if jail is None:
                 continue  # a scratch remover
@@ -312,7 +317,7 @@ class _Zygote:
             if jail.ready_r is not None:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
-                self.report_death(jail, status)
+                self.report_death(jail, status, own_limit)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:

@@ -1,0 +1,90 @@
+"""The cells in flight in one local sandbox, over every thread's batches, and the line of batches waiting for a CPU
+slot: what `batch.py`'s CPU-aware admission counts and takes turns by.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class InFlight:
+    """The cells running in all batches of one sandbox: several threads may run batches at once (the async rollout
+    runs one per completion), and the CPU-aware admission counts them all.
+
+    It also keeps the line of batches waiting for a CPU slot, oldest first: a slot that frees goes to the batch that
+    waited longest, whose thread is woken at once, rather than to whichever of dozens of polling threads looks first.
+    Without the line, 32 threads each running one cell waited up to 125 ms (p99) for a slot that others, arriving
+    later, kept taking; and their polling itself took the CPU the cells needed."""
+
+    def __init__(self):
+        self._entries: set = set()
+        self._lock = threading.Lock()
+        self._line: deque = deque()  # (batch, event) of batches waiting for a slot, oldest first
+        # Slots are counted and taken under one lock, and a taken slot counts from then on (`claimed`), before its
+        # cell is in `_entries`: otherwise a burst of threads all see the same free slots and all take them.
+        self.admitting = threading.Lock()
+        self.claimed = 0
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry) -> None:
+        with self._lock:
+            self._entries.add(entry)
+
+    def remove(self, entry) -> None:
+        with self._lock:
+            self._entries.discard(entry)
+            self._wake_first()  # a slot may be free: the longest waiter looks first
+
+    def _wake_first(self) -> None:
+        """Wakes the batch first in line, if any (called with `_lock` held)."""
+        if self._line:
+            self._line[0][1].set()
+
+    def snapshot(self) -> list:
+        with self._lock:
+            return list(self._entries)
+
+    def release_claims(self, count: int) -> None:
+        """Slots taken by an admission whose cells are now in flight (or failed to start): no longer claimed."""
+        if count:
+            with self.admitting:
+                self.claimed -= count
+            with self._lock:
+                self._wake_first()
+
+    def first_in_line(self, batch) -> bool:
+        """Whether `batch` may take a slot now: nobody waits, or it waited longest (it joins the line otherwise)."""
+        with self._lock:
+            if not self._line:
+                return True
+            if not any(waiting is batch for waiting, _ in self._line):
+                self._line.append((batch, threading.Event()))
+            return self._line[0][0] is batch
+
+    def wait_in_line(self, batch, timeout_s: float) -> None:
+        """Joins the line if not in it, and sleeps until woken (a slot may have freed, or it became first) or, as a
+        safety net for a slot freed without a wake-up (a running cell that went to sleep), `timeout_s` passed: the
+        first in line checks every `timeout_s`, the others ten times less often."""
+        with self._lock:
+            event = next((e for waiting, e in self._line if waiting is batch), None)
+            if event is None:
+                event = threading.Event()
+                self._line.append((batch, event))
+            first = self._line[0][0] is batch
+        event.wait(timeout_s if first else 10 * timeout_s)
+        event.clear()
+
+    def leave_line(self, batch) -> None:
+        """Leaves the line (it took a slot, or stopped waiting); wakes whoever is first now."""
+        with self._lock:
+            for item in self._line:
+                if item[0] is batch:
+                    self._line.remove(item)
+                    break
+            else:
+                return
+            self._wake_first()
