@@ -57,6 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import statistics  # noqa: E402
 
 import httpx  # noqa: E402
+import results_log  # noqa: E402
 from bench_async_parts import (  # noqa: E402
     TOOL_CALL,
     BarrierOverEngine,
@@ -346,7 +347,9 @@ def main():
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-trl", action="store_true", help="Skip TRL's tools= loop.")
+    results_log.add_arguments(parser)
     args = parser.parse_args()
+    run = results_log.conditions()
     if args.runs < 3:
         parser.error("--runs must be at least 3: one run cannot tell a change from noise")
     if args.kinds < 1:
@@ -397,6 +400,7 @@ def main():
         summary.setdefault("same_outputs", summary.get("colocate_same_outputs"))
         summary["same_outputs"] = bool(summary["same_outputs"] and summary.get("colocate_same_outputs", True))
     print(f"B={args.batch}, {args.runs} alternated runs per figure, same outputs: {summary.get('same_outputs')}")
+    results_log.record("async_rollout", summary, run, enabled=not args.no_record)
     if args.json:
         print(json.dumps(summary))
 

@@ -27,6 +27,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import results_log
+
 from retool_trl.sandbox import LocalSandbox
 from retool_trl.sandbox.isolation import bwrap_command, bwrap_usable, clean_env, find_bwrap
 from retool_trl.sandbox.local import DEFAULT_PRELOAD
@@ -159,7 +161,9 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="measure a whole GRPO batch instead (see sandbox_scale)")
     parser.add_argument("--scale-factor", type=float, default=1.0, help="with --scale: size of every measurement")
     parser.add_argument("--bursts", type=int, default=6, help="with --scale: bursts of fresh sessions, each way")
+    results_log.add_arguments(parser)
     args = parser.parse_args()
+    run = results_log.conditions()
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
@@ -168,9 +172,10 @@ def main() -> None:
 
         if args.idle == parser.get_default("idle"):
             args.idle = 4.0
-        row = run_scale(args, preload)
+        row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in run_scale(args, preload).items()}
+        results_log.record("sandbox_scale", row, run, enabled=not args.no_record)
         if args.json:
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+            print(json.dumps(row))
         return
     spares = args.spares if args.spares is not None else args.sessions
     with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload, spares=spares) as sandbox:
@@ -242,8 +247,10 @@ def main() -> None:
         ("first-call p50 <= 2 ms", row["first_call_p50_ms"] <= 2),
     ]
     print("targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets))
+    row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+    results_log.record("sandbox", row, run, enabled=not args.no_record)
     if args.json:
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":

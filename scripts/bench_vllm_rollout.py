@@ -14,6 +14,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+import results_log
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -162,34 +164,32 @@ def bench_vllm(args) -> None:
         f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s"
     )
     print(f"engine start (colocated LLM load, once per training run): {engine_start_s:.1f} s")
+    figures = {
+        "vllm_rollout_vs_generate": round(ratio["median"], 4),
+        "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
+        "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
+        "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
+        "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
+        "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
+        "repeats": args.repeats,
+        "rollout_s": round(rollout_s, 4),
+        "plain_generate_sampled_s": round(plain_sampled_s, 4),
+        "plain_generate_s": round(plain_s, 4),
+        "engine_calls_s": round(engine_med, 4),
+        "sandbox_s": round(sandbox_med, 4),
+        "other_s": round(other_s, 4),
+        "engine_start_s": round(engine_start_s, 2),
+        "engine_calls": engine_calls,
+        "turns": turns,
+        "tool_calls": calls,
+        "tokens": tokens,
+        "interpreter_tokens": interp,
+        "batch": args.batch,
+        "mode": "colocate",
+    }
+    results_log.record("vllm_rollout", figures, args.run, enabled=not args.no_record)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "vllm_rollout_vs_generate": round(ratio["median"], 4),
-                    "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
-                    "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
-                    "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
-                    "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
-                    "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
-                    "repeats": args.repeats,
-                    "rollout_s": round(rollout_s, 4),
-                    "plain_generate_sampled_s": round(plain_sampled_s, 4),
-                    "plain_generate_s": round(plain_s, 4),
-                    "engine_calls_s": round(engine_med, 4),
-                    "sandbox_s": round(sandbox_med, 4),
-                    "other_s": round(other_s, 4),
-                    "engine_start_s": round(engine_start_s, 2),
-                    "engine_calls": engine_calls,
-                    "turns": turns,
-                    "tool_calls": calls,
-                    "tokens": tokens,
-                    "interpreter_tokens": interp,
-                    "batch": args.batch,
-                    "mode": "colocate",
-                }
-            )
-        )
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":
