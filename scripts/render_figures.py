@@ -226,10 +226,14 @@ GPU_MODEL = Table(
         ("`gpu_model_barrier_vs_ideal`", lambda r: fig(r, "gpu_model_barrier_vs_ideal")),
         ("async / barrier wall, s", lambda r: walls(r, "gpu_model_", ("async", "barrier"))),
         ("ideal async / ideal barrier, s", lambda r: walls(r, "gpu_model_ideal_", ("async", "barrier"))),
+        (
+            "engine sleep overshoot: async / barrier, s",
+            lambda r: walls(r, "gpu_model_sleep_overshoot_", ("async_s", "barrier_s")).replace("_s", ""),
+        ),
         ("snippet seconds in all (long-tailed)", lambda r: num(r.get("gpu_model_snippet_seconds_total"))),
     ],
     columns=2,
-    extra_commands=("python scripts/bench_async_rollout.py --engine gpu-model --gpu-model qwen2.5-1.5b-h100",),
+    extra_commands=("python scripts/bench_async_rollout.py --engine gpu-model --gpu-model qwen2.5-7b-h200 --json",),
 )
 SANDBOX = Table(
     "sandbox",
