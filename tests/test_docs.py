@@ -84,6 +84,8 @@ def check_command(line: str) -> list[str]:
                 problems.append(f"retool-trl has no command {command!r}")
                 continue
             accepted = set(re.findall(r"--[\w-]+", cli_help(command)))
+            # TRL's parser takes every `--a_b` as `--a-b` too; the short help lists one spelling.
+            accepted |= {o[:2] + o[2:].replace("_", "-") for o in accepted}
             if command in ("train", "sft"):
                 accepted.add("--config")  # TrlParser's own option, not in the help text
             problems += [f"retool-trl {command} has no option {o}" for o in options_of(rest) if o not in accepted]
