@@ -283,6 +283,31 @@ SCALE = Table(
 )
 
 
+def _cpu(condition: str, policy: str) -> Cell:
+    def cell(r: dict) -> str:
+        user = r.get(f"{condition}_{policy}_user_s_per_step")
+        if user is None:
+            return "—"
+        return (
+            f"{num(user)} s user CPU per step, {num(r.get(f'{condition}_{policy}_involuntary_switches'), ',d')} "
+            f"involuntary switches, {num(r.get(f'{condition}_{policy}_wall_s'), '.0f')} s wall"
+        )
+
+    return cell
+
+
+CPU_LOAD = Table(
+    "cpu_under_load",
+    "python scripts/cpu_under_load.py --json",
+    [
+        ("quiet, as the command runs (passive OpenMP waits)", _cpu("quiet", "default")),
+        ("loaded, as the command runs (passive OpenMP waits)", _cpu("loaded", "default")),
+        ("quiet, `OMP_WAIT_POLICY=ACTIVE` (spinning waits)", _cpu("quiet", "active")),
+        ("loaded, `OMP_WAIT_POLICY=ACTIVE` (spinning waits)", _cpu("loaded", "active")),
+    ],
+)
+
+
 def _trio(r: dict, prefix: str, max_: bool = True) -> str:
     keys = ["p50_ms", "p99_ms"] + (["max_ms"] if max_ else [])
     values = [r.get(f"{prefix}_{k}") for k in keys]
@@ -345,7 +370,7 @@ def readme_table(directory: Path) -> str:
 
 def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
-    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE):
+    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, CPU_LOAD):
         rendered[table.benchmark] = render_table(table, directory)
     return rendered
 

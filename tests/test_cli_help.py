@@ -74,3 +74,21 @@ def test_configuration_docs_list_the_multiturn_dataset():
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     assert "`multiturn`" in page
+
+
+def test_commands_make_openmp_threads_wait_passively():
+    """A user on a shared machine: torch's OpenMP threads spun while waiting and burnt several times the CPU under
+    load (scripts/cpu_under_load.py measures it). The CLI sets OMP_WAIT_POLICY=PASSIVE before torch loads, and keeps
+    a policy the user set."""
+    code = (
+        "import os, sys\n"
+        "from retool_trl.cli import main\n"
+        "main(['plot', '--help'])\n"
+        "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stdout.strip().splitlines()[-1] == "False PASSIVE", proc.stdout + proc.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stdout.strip().splitlines()[-1].endswith("ACTIVE")
