@@ -57,6 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import statistics  # noqa: E402
 
 import httpx  # noqa: E402
+import results_log  # noqa: E402
 from bench_async_parts import (  # noqa: E402
     TOOL_CALL,
     BarrierOverEngine,
@@ -69,6 +70,7 @@ from bench_async_parts import (  # noqa: E402
     make_workload,
     spread,
 )
+from gpu_cost_model import MODELS, run_gpu_model  # noqa: E402
 
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.rollout.per_completion import async_rollout  # noqa: E402
@@ -320,9 +322,44 @@ def print_engine(title, ratios, walls):
         print(f"  {mode:<8} wall s: median {w['median']:.2f} (min {w['min']:.2f}, max {w['max']:.2f})")
 
 
+def gpu_model_main(args, run) -> None:
+    """`--engine gpu-model`: the loops against a cost model of a GPU engine; JSON keys `gpu_model_*`."""
+    summary = run_gpu_model(args.gpu_model, args.batch, args.seed, args.runs)
+    s = summary
+    print(f"MODEL of a GPU engine ({s['gpu_model']}), not a GPU: B={args.batch}, {args.runs} alternated runs")
+    for mode in ("async", "barrier"):
+        g = {k[len("gpu_model_") :]: v for k, v in s.items() if k.startswith("gpu_model_")}
+        print(
+            f"  {mode:<8} wall {g[f'{mode}_seconds']:.2f} s, ideal {g[f'ideal_{mode}_seconds']:.2f} s: "
+            f"{g[f'{mode}_vs_ideal']:.2f}x its ideal (min {g[f'{mode}_vs_ideal_min']:.2f}, max "
+            f"{g[f'{mode}_vs_ideal_max']:.2f}); sleep overshoot {g[f'sleep_overshoot_{mode}_s']:.2f} s over "
+            f"{g[f'engine_steps_{mode}']} steps"
+        )
+    print(
+        f"  barrier/async {s['gpu_model_async_vs_barrier']:.2f} (min {s['gpu_model_async_vs_barrier_min']:.2f}, max "
+        f"{s['gpu_model_async_vs_barrier_max']:.2f}); ideal barrier/ideal async "
+        f"{s['gpu_model_ideal_async_vs_barrier']:.2f}; same outputs: {s['gpu_model_same_outputs']}"
+    )
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
+    results_log.record("async_rollout_gpu_model", summary, run, enabled=not args.no_record)
+    if args.json:
+        print(json.dumps(summary))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", choices=("both", "server", "colocate"), default="both")
+    parser.add_argument(
+        "--engine",
+        choices=("both", "server", "colocate", "gpu-model"),
+        default="both",
+        help="gpu-model: a cost model of a GPU engine, not a GPU (see gpu_cost_model.py)",
+    )
+    parser.add_argument(
+        "--gpu-model",
+        choices=sorted(MODELS),
+        default="qwen2.5-1.5b-h100",
+        help="with --engine gpu-model: the engine's costs",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
@@ -346,7 +383,11 @@ def main():
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-trl", action="store_true", help="Skip TRL's tools= loop.")
+    results_log.add_arguments(parser)
     args = parser.parse_args()
+    run = results_log.conditions()
+    if args.engine == "gpu-model":
+        return gpu_model_main(args, run)
     if args.runs < 3:
         parser.error("--runs must be at least 3: one run cannot tell a change from noise")
     if args.kinds < 1:
@@ -397,6 +438,7 @@ def main():
         summary.setdefault("same_outputs", summary.get("colocate_same_outputs"))
         summary["same_outputs"] = bool(summary["same_outputs"] and summary.get("colocate_same_outputs", True))
     print(f"B={args.batch}, {args.runs} alternated runs per figure, same outputs: {summary.get('same_outputs')}")
+    results_log.record("async_rollout", summary, run, enabled=not args.no_record)
     if args.json:
         print(json.dumps(summary))
 

@@ -32,6 +32,7 @@ import time
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+import results_log  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
@@ -152,7 +153,9 @@ def main():
         default="transformers",
         help="vllm: the rollout through a real vLLM engine against vLLM's plain generate",
     )
+    results_log.add_arguments(parser)
     args = parser.parse_args()
+    args.run = results_log.conditions()
     if args.backend == "vllm":
         from bench_vllm_rollout import bench_vllm
 
@@ -266,25 +269,33 @@ def main():
         f"training steps ({args.steps}, no code): ReToolTrainer {step_times['retool']:.2f}s vs GRPOTrainer "
         f"{step_times['grpo']:.2f}s -> {step_times['retool'] / step_times['grpo']:.3f}x"
     )
+    figures = {
+        "rollout_vs_generate": round(rollout / plain, 4),
+        "seed_loop_vs_rollout": round(seed / rollout, 4),
+        "step_vs_grpo_step": round(step_times["retool"] / step_times["grpo"], 4),
+        "plain_generate_s": round(plain, 4),
+        "rollout_s": round(rollout, 4),
+        "seed_loop_s": round(seed, 4),
+        "batch": args.batch,
+        "tokens": sum(tokens_per_completion),
+        "interpreter_tokens": interp_tokens,
+        "tool_calls": calls,
+        "params_m": round(n_params / 1e6, 2),
+        "native_tools_loop": None,
+        # Every repeat's wall, so the spread of each figure is in the file too.
+        "plain_generate_s_min": round(min(timings["plain"]), 4),
+        "plain_generate_s_max": round(max(timings["plain"]), 4),
+        "rollout_s_min": round(min(timings["rollout"]), 4),
+        "rollout_s_max": round(max(timings["rollout"]), 4),
+        "rollout_vs_generate_min": round(min(r / p for r, p in zip(timings["rollout"], timings["plain"])), 4),
+        "rollout_vs_generate_max": round(max(r / p for r, p in zip(timings["rollout"], timings["plain"])), 4),
+        "seed_loop_vs_rollout_min": round(min(s / r for s, r in zip(timings["seed"], timings["rollout"])), 4),
+        "seed_loop_vs_rollout_max": round(max(s / r for s, r in zip(timings["seed"], timings["rollout"])), 4),
+        "repeats": args.repeats,
+    }
+    results_log.record("rollout", figures, args.run, enabled=not args.no_record)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "rollout_vs_generate": round(rollout / plain, 4),
-                    "seed_loop_vs_rollout": round(seed / rollout, 4),
-                    "step_vs_grpo_step": round(step_times["retool"] / step_times["grpo"], 4),
-                    "plain_generate_s": round(plain, 4),
-                    "rollout_s": round(rollout, 4),
-                    "seed_loop_s": round(seed, 4),
-                    "batch": args.batch,
-                    "tokens": sum(tokens_per_completion),
-                    "interpreter_tokens": interp_tokens,
-                    "tool_calls": calls,
-                    "params_m": round(n_params / 1e6, 2),
-                    "native_tools_loop": None,
-                }
-            )
-        )
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":

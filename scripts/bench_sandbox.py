@@ -28,6 +28,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import results_log
+
 from retool_trl.sandbox import LocalSandbox
 from retool_trl.sandbox.isolation import bwrap_command, bwrap_usable, clean_env, find_bwrap
 from retool_trl.sandbox.local import DEFAULT_PRELOAD
@@ -167,7 +169,9 @@ def main() -> None:
     parser.add_argument("--server-calls", type=int, default=50, help="with --server: small cells per session")
     parser.add_argument("--server-sessions", type=int, default=5, help="with --server: 8-call sessions each way")
     parser.add_argument("--server-work", type=int, default=200_000, help="with --server: size of the session's cell")
+    results_log.add_arguments(parser)
     args = parser.parse_args()
+    run = results_log.conditions()
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
@@ -175,6 +179,7 @@ def main() -> None:
         from sandbox_server_bench import run_server  # scripts/ is on sys.path when run as a script
 
         row = run_server(args)
+        results_log.record("sandbox_server", row, run, enabled=not args.no_record)
         if args.json:
             print(json.dumps(row))
         return
@@ -183,9 +188,10 @@ def main() -> None:
 
         if args.idle == parser.get_default("idle"):
             args.idle = 4.0
-        row = run_scale(args, preload)
+        row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in run_scale(args, preload).items()}
+        results_log.record("sandbox_scale", row, run, enabled=not args.no_record)
         if args.json:
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+            print(json.dumps(row))
         return
     spares = args.spares if args.spares is not None else args.sessions
     with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload, spares=spares) as sandbox:
@@ -257,8 +263,10 @@ def main() -> None:
         ("first-call p50 <= 2 ms", row["first_call_p50_ms"] <= 2),
     ]
     print("targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets))
+    row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+    results_log.record("sandbox", row, run, enabled=not args.no_record)
     if args.json:
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+import results_log
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -42,6 +44,43 @@ def _timed(obj, name: str, clock: _Clock):
             return original(*args, **kwargs)
 
     setattr(obj, name, wrapper)
+
+
+class _EngineMeter:
+    """vLLM's own account of what a generator cost: the engine steps it took (each timed: scheduling, the forward
+    and output processing) and, from each finished request, the prompt tokens prefilled (its prompt less vLLM's
+    `num_cached_tokens`, the prefix-cache hits)."""
+
+    def __init__(self, engine):
+        self.reset()
+        step = engine.step
+
+        def counted_step():
+            start = time.perf_counter()
+            outputs = step()
+            self.step_s += time.perf_counter() - start
+            self.steps += 1
+            for out in outputs:
+                if getattr(out, "finished", False) and getattr(out, "prompt_token_ids", None) is not None:
+                    cached = out.num_cached_tokens or 0
+                    self.requests += 1
+                    self.prefilled += len(out.prompt_token_ids) - cached
+                    self.cached += cached
+            return outputs
+
+        engine.step = counted_step  # LLM.generate steps its engine through this attribute
+
+    def reset(self):
+        self.steps, self.step_s, self.requests, self.prefilled, self.cached = 0, 0.0, 0, 0, 0
+
+    def snapshot(self) -> dict:
+        return {
+            "steps": self.steps,
+            "step_ms": 1e3 * self.step_s / max(1, self.steps),
+            "requests": self.requests,
+            "prefilled": self.prefilled,
+            "cached": self.cached,
+        }
 
 
 def _spread(values) -> dict:
@@ -96,6 +135,7 @@ def bench_vllm(args) -> None:
     engine_clock, sandbox_clock = _Clock(), _Clock()
     _timed(helper, "generate", engine_clock)
     _timed(sandbox, "run_many", sandbox_clock)
+    meter = _EngineMeter(helper.llm.llm_engine)
 
     def rollout():
         return interleaved_rollout(prompts, VLLMBackend(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
@@ -116,20 +156,27 @@ def bench_vllm(args) -> None:
     assert plain(sampled) == sampled
     times = {"rollout": [], "plain": [], "plain_sampled": []}
     engine_s, sandbox_s = [], []
+    metered = {name: [] for name in times}
     for _ in range(args.repeats):
         engine_clock.seconds = sandbox_clock.seconds = 0.0
+        meter.reset()
         start = time.perf_counter()
         again = rollout()
         times["rollout"].append(time.perf_counter() - start)
+        metered["rollout"].append(meter.snapshot())
         engine_s.append(engine_clock.seconds)
         sandbox_s.append(sandbox_clock.seconds)
         assert again.completion_ids == result.completion_ids, "greedy rollout changed between repeats"
+        meter.reset()
         start = time.perf_counter()
         plain()
         times["plain"].append(time.perf_counter() - start)
+        metered["plain"].append(meter.snapshot())
+        meter.reset()
         start = time.perf_counter()
         plain(sampled)
         times["plain_sampled"].append(time.perf_counter() - start)
+        metered["plain_sampled"].append(meter.snapshot())
     trainer.close_sandbox()
     rollout_s, plain_s = statistics.median(times["rollout"]), statistics.median(times["plain"])
     plain_sampled_s = statistics.median(times["plain_sampled"])
@@ -162,34 +209,50 @@ def bench_vllm(args) -> None:
         f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s"
     )
     print(f"engine start (colocated LLM load, once per training run): {engine_start_s:.1f} s")
-    if args.json:
+    # Counts are the same every repeat (greedy, same tokens); the per-step time is each run's, medianed.
+    meters = {
+        name: {**runs[-1], "step_ms": statistics.median(r["step_ms"] for r in runs)} for name, runs in metered.items()
+    }
+    for name, m in meters.items():
         print(
-            json.dumps(
-                {
-                    "vllm_rollout_vs_generate": round(ratio["median"], 4),
-                    "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
-                    "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
-                    "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
-                    "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
-                    "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
-                    "repeats": args.repeats,
-                    "rollout_s": round(rollout_s, 4),
-                    "plain_generate_sampled_s": round(plain_sampled_s, 4),
-                    "plain_generate_s": round(plain_s, 4),
-                    "engine_calls_s": round(engine_med, 4),
-                    "sandbox_s": round(sandbox_med, 4),
-                    "other_s": round(other_s, 4),
-                    "engine_start_s": round(engine_start_s, 2),
-                    "engine_calls": engine_calls,
-                    "turns": turns,
-                    "tool_calls": calls,
-                    "tokens": tokens,
-                    "interpreter_tokens": interp,
-                    "batch": args.batch,
-                    "mode": "colocate",
-                }
-            )
+            f"  {name:<14} engine steps {m['steps']:>4}, {m['step_ms']:.2f} ms per step (median), "
+            f"{m['requests']} requests, {m['prefilled']} prompt tokens prefilled ({m['cached']} from the prefix cache)"
         )
+    figures = {
+        "vllm_rollout_vs_generate": round(ratio["median"], 4),
+        "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
+        "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
+        "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
+        "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
+        "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
+        "repeats": args.repeats,
+        "rollout_s": round(rollout_s, 4),
+        "plain_generate_sampled_s": round(plain_sampled_s, 4),
+        "plain_generate_s": round(plain_s, 4),
+        "engine_calls_s": round(engine_med, 4),
+        "sandbox_s": round(sandbox_med, 4),
+        "other_s": round(other_s, 4),
+        "engine_start_s": round(engine_start_s, 2),
+        "engine_calls": engine_calls,
+        "turns": turns,
+        "tool_calls": calls,
+        "tokens": tokens,
+        "interpreter_tokens": interp,
+        "batch": args.batch,
+        "mode": "colocate",
+    }
+    cache = getattr(getattr(helper.llm.llm_engine, "vllm_config", None), "cache_config", None)
+    figures["kv_block_size"] = getattr(cache, "block_size", None)  # a continued turn re-prefills its last block
+    figures["prefix_caching"] = getattr(cache, "enable_prefix_caching", None)
+    for prefix, m in meters.items():
+        figures[f"{prefix}_engine_steps"] = m["steps"]
+        figures[f"{prefix}_step_ms"] = round(m["step_ms"], 3)
+        figures[f"{prefix}_engine_requests"] = m["requests"]
+        figures[f"{prefix}_prefill_tokens"] = m["prefilled"]
+        figures[f"{prefix}_cached_tokens"] = m["cached"]
+    results_log.record("vllm_rollout", figures, args.run, enabled=not args.no_record)
+    if args.json:
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":

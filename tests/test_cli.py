@@ -281,18 +281,20 @@ def test_tokenizer_is_loaded_as_saved(work):
 
 
 def test_quickstart_is_delegated(monkeypatch, tmp_path, capsys):
-    import retool_trl.quickstart as quickstart
+    # A stand-in for the quickstart package (its real names load lazily, so deleting one would just reload it).
+    import sys
+    import types
 
+    quickstart = types.ModuleType("retool_trl.quickstart")
+    monkeypatch.setitem(sys.modules, "retool_trl.quickstart", quickstart)
     calls = []
-    monkeypatch.setattr(quickstart, "main", lambda argv: calls.append(("main", argv)) or 0, raising=False)
+    quickstart.main = lambda argv: calls.append(("main", argv)) or 0
     assert main(["quickstart", "--output-dir", str(tmp_path)]) == 0
-    monkeypatch.delattr(quickstart, "main")
-    monkeypatch.setattr(
-        quickstart, "run_quickstart", lambda output_dir, **kw: calls.append(("run", output_dir)), raising=False
-    )
+    del quickstart.main
+    quickstart.run_quickstart = lambda output_dir, **kw: calls.append(("run", output_dir))
     assert main(["quickstart", "--output-dir", str(tmp_path)]) == 0
     assert calls == [("main", ["--output-dir", str(tmp_path)]), ("run", str(tmp_path))]
-    monkeypatch.delattr(quickstart, "run_quickstart")
+    del quickstart.run_quickstart
     assert main(["quickstart"]) == 2
     assert "quickstart runner" in capsys.readouterr().err
 

@@ -43,7 +43,16 @@ def shown_commands(text: str) -> list[str]:
         lines += [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and line[0] != "#"]
     prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
-    starts = ("retool-trl ", "python ", "pip ", "bash ", ".venv-engines/", "accelerate ", "CUDA_VISIBLE_DEVICES")
+    starts = (
+        "retool-trl ",
+        "python ",
+        "python3 ",
+        "pip ",
+        "bash ",
+        ".venv-engines/",
+        "accelerate ",
+        "CUDA_VISIBLE_DEVICES",
+    )
     return [line for line in lines if line.startswith(starts)]
 
 
@@ -75,6 +84,8 @@ def check_command(line: str) -> list[str]:
                 problems.append(f"retool-trl has no command {command!r}")
                 continue
             accepted = set(re.findall(r"--[\w-]+", cli_help(command)))
+            # TRL's parser takes every `--a_b` as `--a-b` too; the short help lists one spelling.
+            accepted |= {o[:2] + o[2:].replace("_", "-") for o in accepted}
             if command in ("train", "sft"):
                 accepted.add("--config")  # TrlParser's own option, not in the help text
             problems += [f"retool-trl {command} has no option {o}" for o in options_of(rest) if o not in accepted]
@@ -91,7 +102,13 @@ def test_every_shown_command_exists(page):
     commands = shown_commands(page.read_text())
     if page == README:
         assert any(c.startswith("retool-trl quickstart") for c in commands)
-        assert "pip install -e . && retool-trl quickstart --output-dir runs/quickstart" in commands
+        setup = [
+            c for c in commands if c.endswith("pip install -e . && retool-trl quickstart --output-dir runs/quickstart")
+        ]
+        assert len(setup) == 1, "one set-up command: environment, CPU PyTorch, install, quickstart"
+        # A newcomer without a GPU must get the CPU build of torch before pip resolves the package's torch.
+        assert setup[0].startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+        assert setup[0].index("--index-url https://download.pytorch.org/whl/cpu") < setup[0].index("pip install -e .")
         assert 'pip install -e ".[dev]" && python -m pytest -q' in commands
     problems = {line: check_command(line) for line in commands}
     assert not {line: p for line, p in problems.items() if p}

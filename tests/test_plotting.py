@@ -118,3 +118,18 @@ def test_noisy_rates_get_a_rolling_mean(figures, tmp_path):
     bold = max(ax.get_lines(), key=lambda line: line.get_linewidth())
     values = list(bold.get_ydata())[10:]
     assert max(values) - min(values) < 0.3  # the raw values swing by 1.0
+
+
+def test_step_axes_start_at_step_zero_and_the_band_is_named(quickstart_dir, figures):
+    """A reader saw a tick at step -8 (room left for the held-out labels) and a shaded band nobody explained: steps
+    are ticked from 0, and the band is in the legend as the spread of the step's rewards."""
+    assert main(["plot", "--run", str(quickstart_dir)]) == 0
+    fig = figures[-1]
+    fig.canvas.draw()
+    for ax in panels(fig).values():
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and min(ticks) >= 0, (ax.get_title(), ticks)
+    reward = panels(fig)["reward"]
+    labels = [text.get_text() for text in reward.get_legend().get_texts()] if reward.get_legend() else []
+    labels += [c.get_label() for c in reward.collections]
+    assert any("std of the step's rewards" in label for label in labels), labels

@@ -162,11 +162,39 @@ def test_a_closed_session_is_killed_at_once():
         assert s.run("x = bytearray(50 << 20)").ok
         pid = s._proc.host_pid
         s.close()
-        for _ in range(500):
-            if not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes():
-                break
+        deadline = time.monotonic() + 5
+        while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not os.path.exists(f"/proc/{pid}") or b") Z" in Path(f"/proc/{pid}/stat").read_bytes()
+        assert not _running(pid), "the jail's pid 1 outlived close() by 5 s"
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (neither gone nor a zombie). It may exit between any two reads of /proc, so
+    one read of its stat file decides, and a process gone while it is read counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # FileNotFoundError or ProcessLookupError (ESRCH): it exited
+        return False
+    return stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+
+
+def test_running_reads_a_process_that_exits_without_racing():
+    """Stands for the CI run that failed reading /proc/PID/stat of a jail that exited after the check for it: the
+    liveness check sees a live process, a zombie and a reaped one as the kernel does, and never raises."""
+    import subprocess
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _running(proc.pid)
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while _running(proc.pid) and time.monotonic() < deadline:  # a zombie until reaped: not running
+            time.sleep(0.01)
+        assert not _running(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _running(proc.pid)
 
 
 SPINNERS = """

@@ -40,8 +40,14 @@ SCRIPT = textwrap.dedent(
     pids = [s._proc.host_pid for s in (a, b, forged) if s._proc is not None]
     sandbox.close()
     time.sleep(0.5)
-    out["survivors"] = [p for p in pids if os.path.exists(f"/proc/{p}") and
-                        open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    def running(pid):  # one read decides: the process may exit between two reads of /proc
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+    out["survivors"] = [p for p in pids if running(p)]
     print(json.dumps(out))
     """
 )

@@ -25,7 +25,7 @@ from .common import (
     resolve_model_path,
     short_model_name,
 )
-from .parser import parse_arguments
+from .help import help_all_argv, render_help, wants_help
 
 
 @dataclass
@@ -36,7 +36,7 @@ class EvalArguments:
     dataset: str = field(
         metadata={
             "help": "Problems: a known dataset (aime_2024, aime_2025, math500, gsm8k, "
-            "dapo_math, synthetic), a hub id or a local file."
+            "dapo_math, synthetic, multiturn), a hub id or a local file."
         }
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub configuration of the dataset."})
@@ -90,6 +90,46 @@ OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
 _OVERRIDES = {"output_dir": ("eval_results", "Folder of the result files (NAME.json, NAME.md, NAME_samples.jsonl).")}
 
 
+@dataclass
+class _HelpOnly:
+    """TRL's fields that `eval` reads, with `ReToolConfig`'s defaults, for `--help` alone: reading them from
+    `ReToolConfig` imports torch and transformers, seconds before any help is printed (a test keeps the two equal)."""
+
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: cumulative probability kept, in (0, 1]."})
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
+    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability, relative to the top one."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty on tokens already in the text."})
+    max_completion_length: int = field(default=512, metadata={"help": "Tokens per completion, all turns together."})
+    generation_kwargs: str | None = field(
+        default=None, metadata={"help": "More sampling arguments (transformers' GenerationConfig or vLLM's)."}
+    )
+    seed: int = field(default=42, metadata={"help": "Random seed."})
+    chat_template_kwargs: str | None = field(
+        default=None, metadata={"help": "Arguments of the chat template (e.g. enable_thinking)."}
+    )
+    output_dir: str = field(default=_OVERRIDES["output_dir"][0], metadata={"help": _OVERRIDES["output_dir"][1]})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with custom code from the Hub."})
+
+
+def eval_help() -> str:
+    """The short `retool-trl eval --help`: imports neither torch nor TRL."""
+    from ..options import ReToolOptions
+
+    return render_help(
+        f"{PROG} eval",
+        "pass@1 / avg@k, code ratio, calls per answer and mean length, with the interpreter in the loop.\n"
+        "Example: retool-trl eval --model runs/quickstart/tool_rl --dataset synthetic --num_samples 4",
+        [
+            ("model and data", [f.name for f in dataclasses.fields(EvalArguments)]),
+            ("sampling", [*SAMPLING_FIELDS, *PROMPT_FIELDS]),
+            ("interpreter and sandbox", list(INTERPRETER_FIELDS)),
+            ("output", list(OUTPUT_FIELDS)),
+        ],
+        [EvalArguments, ReToolOptions, _HelpOnly],
+    )
+
+
 def _settings_class():
     """`EvalSettings`: a dataclass of the `ReToolConfig` fields evaluation reads, with their defaults and help."""
     from ..config import ReToolConfig
@@ -122,6 +162,7 @@ def parse_eval_args(argv: Sequence[str]):
     import torch
 
     from ..config import ReToolConfig
+    from .parser import parse_arguments  # TRL's parser: imported when parsing, not for --help
 
     eval_args, settings = parse_arguments((EvalArguments, _settings_class()), argv, f"{PROG} eval")
     gpu = torch.cuda.is_available()
@@ -186,12 +227,15 @@ def load_eval_model(path: str, dtype: str):
 
 def main(argv: Sequence[str]) -> int:
     """`retool-trl eval --model PATH --dataset NAME [--num-samples K] [--key value ...]`."""
+    if wants_help(argv):
+        print(eval_help().rstrip("\n"))
+        return 0
     from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
     from ..format.prompts import Tags
     from ..models.tokenizers import check_tokenizer, load_tokenizer
 
-    eval_args, config = parse_eval_args(argv)
+    eval_args, config = parse_eval_args(help_all_argv(argv))
     if eval_args.num_samples < 1 or eval_args.batch_size < 1:
         raise UserError("num_samples and batch_size must be >= 1.")
     model_path = resolve_model_path(eval_args.model, "model")

@@ -116,6 +116,16 @@ def more_options(prog: str, config_class: str, names: str) -> str:
     )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Plain argparse (for commands without dataclasses) that raises `UserError` instead of printing usage. Here, not
+    in `parser`, so that a command's `--help` does not import TRL's parser."""
+
+    def error(self, message):
+        from ..errors import UserError
+
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
 class OneDefaultFormatterRaw(OneDefaultFormatter):
     """[`OneDefaultFormatter`] that keeps the line breaks of the description and the epilog."""
 
@@ -123,4 +133,12 @@ class OneDefaultFormatterRaw(OneDefaultFormatter):
         return argparse.RawDescriptionHelpFormatter._fill_text(self, text, width, indent)
 
 
-__all__ = ["HELP_ALL", "OneDefaultFormatter", "help_all_argv", "more_options", "render_help", "wants_help"]
+__all__ = [
+    "HELP_ALL",
+    "OneDefaultFormatter",
+    "OneLineParser",
+    "help_all_argv",
+    "more_options",
+    "render_help",
+    "wants_help",
+]

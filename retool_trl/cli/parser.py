@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from trl.scripts.utils import TrlParser
 
 from ..errors import UserError, one_line
-from .help import OneDefaultFormatter
+from .help import OneDefaultFormatter, OneLineParser
 
 
 def _accepts(hint, kind: type) -> bool:
@@ -189,13 +189,6 @@ class ArgumentParser(TrlParser):
 def parse_arguments(dataclass_types: Sequence[type], argv: Sequence[str], prog: str, defaults: Mapping | None = None):
     """Parses `argv` into instances of `dataclass_types` with [`ArgumentParser`] (see `ArgumentParser.parse`)."""
     return ArgumentParser(dataclass_types, prog).parse(argv, defaults)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Plain argparse (for commands without dataclasses) that raises `UserError` instead of printing usage."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
 __all__ = ["ArgumentParser", "OneLineParser", "parse_arguments"]

@@ -7,11 +7,16 @@ from collections.abc import Sequence
 
 from ..errors import UserError, one_line
 from .common import PROG
-from .parser import OneLineParser
+from .help import OneLineParser, wants_help
 
 
 def main(argv: Sequence[str]) -> int:
     """Hands the arguments to `retool_trl.quickstart.main` (which parses its own options)."""
+    if wants_help(argv):  # from the plan alone: the task modules import torch, TRL and datasets
+        from ..quickstart.plan import quickstart_parser
+
+        print(quickstart_parser(OneLineParser).format_help().rstrip("\n"))
+        return 0
     # Imported lazily: the quickstart module is optional for the other commands.
     try:
         quickstart = importlib.import_module("retool_trl.quickstart")

@@ -74,11 +74,12 @@ class EvalReport:
             ("problems", str(self.num_problems)),
             ("k", str(k)),
             ("pass@1", _pct(m["pass@1"])),
-            (f"avg@{k}", _pct(m[f"avg@{k}"])),
-            (f"pass@{k}", _pct(m[f"pass@{k}"])),
+            # With one sample per problem avg@1 and pass@1 are pass@1 again: one column, not three.
+            *([(f"avg@{k}", _pct(m[f"avg@{k}"])), (f"pass@{k}", _pct(m[f"pass@{k}"]))] if k > 1 else []),
             ("code ratio", _pct(m["code_ratio"])),
             ("calls/answer", f"{m['calls_per_answer']:.2f}"),
-            ("mean length", f"{m['mean_length']:.1f}"),
+            # Every completion token, the interpreter's included (`mean_model_tokens` in the JSON: the policy's).
+            ("mean length (tokens, interpreter included)", f"{m['mean_length']:.1f}"),
             ("tool errors", _pct(m["tool_error_rate"])),
         ]
         head = "| " + " | ".join(c for c, _ in columns) + " |"

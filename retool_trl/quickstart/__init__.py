@@ -9,30 +9,49 @@
 Imports run one way: `runner` -> the tasks -> `plan`.
 """
 
-# The quickstart models are built with these (scripts/build_quickstart_model.py, scripts/build_multiturn_model.py).
-from ..models.tiny import build_char_tokenizer, build_tiny_model
-from .arithmetic import QUICKSTART_MODEL_DIR, QuickstartTask, arithmetic_plan, model_path
-from .multiturn import (
-    MULTITURN_DEFAULTS,
-    MULTITURN_MODEL_DIR,
-    CellBudgetSandbox,
-    MultiturnTask,
-    boxed_accuracy_and_recovery,
-    multiturn_model_path,
-    multiturn_plan,
-    recovery_rate,
-)
-from .plan import RUNS, TASKS, QuickstartArguments, TaskPlan, rl_config
-from .runner import PLANS, main, run_quickstart, train_run
+# Every name is loaded on first use (PEP 562), so that `retool-trl quickstart --help` and `quickstart.plan` do not
+# import torch, TRL, datasets or math-verify through the task modules.
+_LAZY = {
+    "build_char_tokenizer": "..models.tiny",
+    "build_tiny_model": "..models.tiny",
+    "QUICKSTART_MODEL_DIR": ".arithmetic",
+    "QuickstartTask": ".arithmetic",
+    "arithmetic_plan": ".arithmetic",
+    "model_path": ".arithmetic",
+    "MULTITURN_DEFAULTS": ".plan",
+    "MULTITURN_MODEL_DIR": ".multiturn",
+    "CellBudgetSandbox": ".multiturn",
+    "MultiturnTask": ".multiturn",
+    "boxed_accuracy_and_recovery": ".multiturn",
+    "multiturn_model_path": ".multiturn",
+    "multiturn_plan": ".multiturn",
+    "recovery_rate": ".multiturn",
+    "RUNS": ".plan",
+    "TASKS": ".plan",
+    "QuickstartArguments": ".plan",
+    "TaskPlan": ".plan",
+    "rl_config": ".plan",
+    "PLANS": ".runner",
+    "main": ".runner",
+    "run_quickstart": ".runner",
+    "train_run": ".runner",
+    # The console imports transformers' trainer.
+    "CompactProgressCallback": "..reporting.console",
+}
 
 
 def __getattr__(name):
-    # Re-exported lazily: the console imports transformers' trainer, which `retool-trl quickstart --help` must not.
-    if name == "CompactProgressCallback":
-        from ..reporting.console import CompactProgressCallback
+    if name in _LAZY:
+        import importlib
 
-        return CompactProgressCallback
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

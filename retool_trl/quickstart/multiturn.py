@@ -24,6 +24,7 @@ from ..reporting.plotting import Panel
 from ..reporting.run_logs import accuracy_of
 from ..rewards.functions import boxed_accuracy_and_recovery
 from ..sandbox.cell_limits import CellLimits
+from .plan import MULTITURN_DEFAULTS as MULTITURN_DEFAULTS  # re-exported: its home before plan
 from .plan import TaskPlan
 
 MULTITURN_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart_multiturn"]
@@ -212,14 +213,6 @@ def recovery_probe(
 # ----------------------------------------------------------------------------------------------- the quickstart run
 # `QuickstartArguments` values of `--task multiturn` where the user sets none (a completion with a recovery is up to
 # ~125 tokens; the arithmetic defaults fit one call in 64).
-MULTITURN_DEFAULTS = {
-    "max_steps": 60,
-    "prompts_per_step": 8,
-    "num_generations": 8,
-    "max_completion_length": 144,
-    "num_eval": 256,
-    "threads": 1,
-}
 
 MULTITURN_PANELS = (
     Panel("accuracy", "correct completions (%)", (("train samples", None, accuracy_of),), True, "accuracy"),

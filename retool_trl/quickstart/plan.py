@@ -12,6 +12,17 @@ from pathlib import Path
 
 TASKS = ("arithmetic", "multiturn")
 
+# What `--task multiturn` takes where the user sets nothing (arithmetic: `QuickstartArguments`' own defaults).
+MULTITURN_DEFAULTS = {
+    "max_steps": 60,
+    "prompts_per_step": 8,
+    "num_generations": 8,
+    "max_completion_length": 144,
+    "num_eval": 256,
+    "threads": 1,
+}
+TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS}
+
 # The two runs differ only in whether code is executed.
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
 
@@ -21,7 +32,7 @@ class QuickstartArguments:
     """Settings of `retool-trl quickstart`: GRPO with and without the interpreter from the same checkpoint.
 
     The defaults are sized for 2 CPU cores: about 3 minutes in all, under 1 GB of memory. With `task="multiturn"`,
-    fields left unset take that task's defaults (`retool_trl.quickstart.multiturn.MULTITURN_DEFAULTS`).
+    fields left unset take that task's defaults (`retool_trl.quickstart.plan.MULTITURN_DEFAULTS`).
 
     Args:
         output_dir (`str`): Run folder (`summary.json`, `quickstart.png`, `tool_rl/`, `text_rl/`).
@@ -154,3 +165,34 @@ class TaskPlan:
     panels: tuple
     table: object
     run_kwargs: dict = field(default_factory=dict)
+
+
+def quickstart_parser(parser_class):
+    """The parser of `retool-trl quickstart`: every [`QuickstartArguments`] field and `--seeds`. No argparse
+    defaults: an unset option takes its task's default (see `run_quickstart`); the help names each task's. Built from
+    this module alone, so that `--help` imports nothing heavy."""
+    from dataclasses import fields
+
+    parser = parser_class(prog="retool-trl quickstart", description=QuickstartArguments.__doc__.split("\n\n")[0])
+    for f in fields(QuickstartArguments):
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        text = f.metadata["help"]
+        if "(default:" not in text:  # a help that says its default in words keeps its own
+            default = f"{f.default}" + "".join(
+                f"; {task}: {values[f.name]}" for task, values in TASK_DEFAULTS.items() if f.name in values
+            )
+            text += f" (default: {default})"
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            choices=TASKS if f.name == "task" else None,
+            help=text,
+        )
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="Run once per seed (e.g. 0-4 or 0,2,7) into OUTPUT_DIR/seed{N}/, then write seeds.json, seeds.md (mean, "
+        "min, max) and seeds.png across them. Overrides --seed.",
+    )
+    return parser

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from ..reporting.plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
-from .multiturn import MULTITURN_DEFAULTS, multiturn_plan
-from .plan import RUNS, TASKS, QuickstartArguments, rl_config
+from .multiturn import multiturn_plan
+from .plan import MULTITURN_DEFAULTS, RUNS, QuickstartArguments, quickstart_parser, rl_config
 from .seeds import parse_seeds, run_seeds
 
 # Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
@@ -179,29 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         def error(self, message):  # one line, no usage block (the CLI prints it)
             raise UserError(f"{message} (see `retool-trl quickstart --help`)")
 
-    parser = _Parser(prog="retool-trl quickstart", description=QuickstartArguments.__doc__.split("\n\n")[0])
-    for f in fields(QuickstartArguments):
-        kind = {"int": int, "float": float}.get(str(f.type), str)
-        default = f"{f.default}" + "".join(
-            f"; {task}: {values[f.name]}" for task, (_, values) in PLANS.items() if f.name in values
-        )
-        # No argparse defaults: an unset option takes the task's default (see `run_quickstart`).
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=kind,
-            default=None,
-            choices=TASKS if f.name == "task" else None,
-            help=f"{f.metadata['help']} (default: {default})",
-        )
+    parser = quickstart_parser(_Parser)
     # `--max_steps` as `retool-trl train` spells its options, and `--max-steps` as argparse's: both are accepted.
     names = {f"--{f.name}": f"--{f.name.replace('_', '-')}" for f in fields(QuickstartArguments)}
     argv = [names.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]) :] for a in (argv or [])]
-    parser.add_argument(
-        "--seeds",
-        default=None,
-        help="Run once per seed (e.g. 0-4 or 0,2,7) into OUTPUT_DIR/seed{N}/, then write seeds.json, seeds.md (mean, "
-        "min, max) and seeds.png across them. Overrides --seed.",
-    )
     options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     seeds = options.pop("seeds", None)
     try:

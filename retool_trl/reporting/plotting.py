@@ -185,7 +185,10 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
                     high = [min(m + s, reward_range[1]) for m, s in zip(values, std)]
                     if window > 1:
                         low, high = _rolling(low, window), _rolling(high, window)
-                    ax.fill_between(steps, low, high, color=color, alpha=0.12, linewidth=0)
+                    # The band: one standard deviation of the step's rewards either side of their mean, clipped to
+                    # the reward's range (it says how spread the group's rewards are, what GRPO's advantages use).
+                    band = f"{run + ' ' if len(histories) > 1 else ''}±1 std of the step's rewards"
+                    ax.fill_between(steps, low, high, color=color, alpha=0.12, linewidth=0, label=band)
         for label, key, _ in panel.lines:
             eval_steps, eval_values = series(history, f"eval_{key}") if key else ([], [])
             if eval_values:
@@ -247,7 +250,11 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     from matplotlib.ticker import MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    class _Steps(MaxNLocator):  # whole steps from 0: the room left of step 0 is for the labels, not for steps
+        def tick_values(self, vmin, vmax):
+            return [t for t in super().tick_values(max(vmin, 0), vmax) if t >= 0]
+
+    ax.xaxis.set_major_locator(_Steps(integer=True))
     ax.set_title(panel.title, fontsize=10)
     ax.set_ylabel(panel.ylabel, fontsize=9)
     ax.set_xlabel("training step")
