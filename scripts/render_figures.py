@@ -368,9 +368,45 @@ def readme_table(directory: Path) -> str:
     return "\n".join(out)
 
 
+def _spread(r: dict, key: str, fmt: str = ".1f") -> str:
+    """A `{"median", "min", "max"}` figure of the server benchmark as `median (min-max)`."""
+    v = r.get(key)
+    if not isinstance(v, dict):
+        return "—"
+    return f"{num(v['median'], fmt)} ({num(v['min'], fmt)}-{num(v['max'], fmt)})"
+
+
+def _ratio(r: dict, which: str) -> str:
+    rng = r.get(f"{which}_call_cost_ratio_range") or []
+    return f"{num(r.get(f'{which}_call_cost_ratio'))} ({'-'.join(num(x) for x in rng)})"
+
+
+SERVER = Table(
+    "sandbox_server",
+    "python scripts/bench_sandbox.py --server --json",
+    [
+        *(
+            (
+                f"{c} concurrent: p50 / p99 ms, cells/s",
+                lambda r, c=c: (
+                    f"{_spread(r, f'server_p50_ms_c{c}')} / {_spread(r, f'server_p99_ms_c{c}')}, "
+                    f"{_spread(r, f'server_cells_per_s_c{c}', '.0f')}"
+                ),
+            )
+            for c in (1, 8, 32)
+        ),
+        (
+            "8-call session, 8th call / 1st: ours (stateful) vs replayed on a stateless service",
+            lambda r: f"**{_ratio(r, 'session')}** vs {_ratio(r, 'replay')}",
+        ),
+    ],
+    columns=3,
+)
+
+
 def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
-    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, CPU_LOAD):
+    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD):
         rendered[table.benchmark] = render_table(table, directory)
     return rendered
 
