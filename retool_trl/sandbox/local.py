@@ -6,6 +6,7 @@ import base64
 import itertools
 import logging
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -31,6 +32,24 @@ from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
+
+
+def _raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to its hard limit, as servers do: a live session holds several
+    descriptors here (its socket, pipes, output, pidfd, /proc and cgroup files), and the soft limit most systems
+    start with (1,024) ends a batch of 128 first calls with "too many open files". Sessions keep their own limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):  # an infinite hard limit above the kernel's nr_open: take that instead
+            try:
+                with open("/proc/sys/fs/nr_open") as f:
+                    nr_open = int(f.read())
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nr_open, hard), hard))
+            except (OSError, ValueError):
+                pass
+
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +245,7 @@ class LocalSandbox(CallResults):
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
             if self._cgroups is None:
+                _raise_open_file_limit()
                 self._cgroups = SandboxCgroups(
                     f"retool-sandbox-{os.getpid()}-{id(self):x}", self.total_memory_mb, cpu_weight=self.num_workers
                 )

@@ -90,11 +90,11 @@ class _Zygote:
 
     # -------------------------------------------------------------------------------------------- forking jails
 
-    def _new_cgroups(self, name, warm):
-        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written. A
-        spare started ahead of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice`
-        would weigh nothing against the running cells); `spawn` gives it the full weight."""
-        made = {}
+    def _new_cgroups(self, name, warm, made):
+        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written, into
+        `made` (the caller's, so that it can remove what was made when a later step fails). A spare started ahead
+        of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice` would weigh nothing
+        against the running cells); `spawn` gives it the full weight."""
         period_us = 100_000
         for kind, root in self.config["cgroups"]:
             path = os.path.join(root, name)
@@ -128,25 +128,42 @@ class _Zygote:
                         # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
         return made
 
+    def _remove_cgroups(self, cgroups):
+        """Removes the directories of a jail that never ran (empty, so at once; the graveyard retries otherwise)."""
+        for path in dict.fromkeys(cgroups.values()):
+            if not rmdir_quietly(path):
+                self.graveyard.append(path)
+
     def fork_jail(self, warm):
         self.serial += 1
         name = f"j{self.pid}-{self.serial}"
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
-        request_r, request_w = os.pipe2(os.O_CLOEXEC)
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)  # closed by the jail once set up, before any cell runs
-        output = os.memfd_create("output", os.MFD_CLOEXEC)
+        fds, cgroups = [], {}
         try:
-            cgroups = self._new_cgroups(name, warm)
-        except OSError:
-            cgroups = {}
-        if self.config["jail"]:
-            check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
-        try:
-            pid = os.fork()
-        finally:
-            if self.config["jail"] and os.getpid() == self.pid:
-                check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
+            # A fork refused (out of tasks or memory) must leave nothing behind: each failed attempt used to keep
+            # these seven descriptors and the cgroup directories, until the zygote could open no more.
+            for _ in range(3):  # request, status, and ready (closed by the jail once set up, before any cell runs)
+                fds.extend(os.pipe2(os.O_CLOEXEC))
+            fds.append(os.memfd_create("output", os.MFD_CLOEXEC))
+            try:
+                self._new_cgroups(name, warm, cgroups)
+            except OSError:
+                self._remove_cgroups(cgroups)
+                cgroups.clear()
+            if self.config["jail"]:
+                check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
+            try:
+                pid = os.fork()
+            finally:
+                if self.config["jail"] and os.getpid() == self.pid:
+                    check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
+        except BaseException:
+            if os.getpid() == self.pid:
+                for fd in fds:
+                    os.close(fd)
+                self._remove_cgroups(cgroups)
+            raise
+        request_r, request_w, status_r, status_w, ready_r, ready_w, output = fds
         if pid == 0:
             try:
                 signal.set_wakeup_fd(-1)  # the zygote's: cells' signal handlers must not write to a closed fd

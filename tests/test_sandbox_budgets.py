@@ -1,0 +1,161 @@
+"""Budgets the sandbox shares with the trainer and the machine: descriptors, tasks, memory held in scratch files.
+
+Each test runs a small trainer script in a child process, under the real limit it is about (a soft RLIMIT_NOFILE of
+1,024, a pids cgroup standing for a container's task limit, a sandbox-wide memory bound), and attacks it through the
+public API the way a reward-hacking policy would. Where the host cannot set that limit (not root, no pids cgroup),
+the test is skipped with the reason.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from retool_trl.sandbox import LocalSandbox
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parent.parent
+PIDS = Path("/sys/fs/cgroup/pids")
+
+
+def _report() -> dict:
+    with LocalSandbox(num_workers=1, spares=1) as sandbox:
+        return sandbox.isolation_report()
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _report()
+
+
+def _need_root_pids():
+    if os.geteuid() != 0 or not (PIDS / "cgroup.procs").exists():
+        pytest.skip("needs root and a cgroup v1 pids hierarchy to put the trainer under a task limit")
+    own = next(
+        (line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines() if ":pids:" in line),
+        None,
+    )
+    if own is None:
+        pytest.skip("this process is in no pids cgroup")
+    return PIDS / own.lstrip("/")
+
+
+def _run_trainer(script: str, pids_max: int | None = None, nofile: int | None = None, timeout_s: float = 200) -> dict:
+    """Runs `script` as a trainer in a fresh child: in a pids cgroup of its own capped at `pids_max` (a container's
+    task limit), with a soft RLIMIT_NOFILE of `nofile`. The script prints one JSON line last; it is returned."""
+    cgroup = None
+    if pids_max is not None:
+        cgroup = _need_root_pids() / f"retool-test-budget-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cgroup.mkdir()
+        (cgroup / "pids.max").write_text(str(pids_max))
+    prelude = "import os, resource, sys\n"
+    if nofile is not None:
+        hard = "resource.getrlimit(resource.RLIMIT_NOFILE)[1]"
+        prelude += f"resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, {hard}))\n"
+    if cgroup is not None:
+        prelude += f"open({str(cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", prelude + textwrap.dedent(script)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            cwd=str(REPO),
+        )
+    finally:
+        if cgroup is not None:
+            for child in sorted(cgroup.rglob("*"), reverse=True):
+                if child.is_dir():
+                    child.rmdir()
+            cgroup.rmdir()
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"trainer script failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def test_128_first_calls_under_the_common_descriptor_limit():
+    """A trainer started with the usual soft limit of 1,024 open files (most distributions' default) runs a rollout
+    batch of 128 first calls at once: every call runs (the sandbox must not need more descriptors per live session
+    than that limit allows, nor end the batch with "too many open files")."""
+    result = _run_trainer(
+        """
+        import json
+        from retool_trl.sandbox import LocalSandbox
+        with LocalSandbox(num_workers=2, timeout_s=60, memory_mb=512, spares=2) as sandbox:
+            sessions = [sandbox.session() for _ in range(128)]
+            results = sandbox.run_many([(s, f"print({i} * 2)") for i, s in enumerate(sessions)])
+            good = sum(r.ok and r.output == f"{i * 2}\\n" for i, r in enumerate(results))
+            errors = sorted({r.output.strip().splitlines()[-1] for r in results if not r.ok})[:3]
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        print(json.dumps({"good": good, "errors": errors, "soft": soft}))
+        """,
+        nofile=1024,
+    )
+    assert result["good"] == 128, result
+
+
+def test_failed_forks_leave_no_descriptors_or_cgroups(report):
+    """A container's task limit reached while the zygote forks jails (a burst of sessions, or a policy's processes
+    filling it): every fork refused must clean up after itself. After bursts of refused forks the zygote holds no more
+    descriptors than before and no cgroup directory of a jail that never ran is left, and once tasks are free again
+    64 sessions all work (before, each refused fork kept 7 descriptors and its cgroups, and later sessions failed)."""
+    if not report["pids_cgroup"]:
+        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+    own = _need_root_pids()
+    result = _run_trainer(
+        f"""
+        import json, time
+        from pathlib import Path
+        import psutil
+        from retool_trl.sandbox import LocalSandbox
+
+        here = Path({str(own)!r}) / Path(open("/proc/self/cgroup").read().split(":pids:")[1].split()[0]).name
+
+        def zygote():
+            procs = [p for p in psutil.Process().children(recursive=True) if "worker.py" in " ".join(p.cmdline())]
+            pythons = {{p.pid for p in procs if "bwrap" not in p.name()}}
+            return next(p for p in procs if p.pid in pythons and p.ppid() not in pythons)
+
+        def jail_dirs(sandbox):
+            return sum(1 for _, root in sandbox._cgroups.roots for d in Path(root).iterdir() if d.is_dir())
+
+        with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=512, spares=2) as sandbox:
+            assert sandbox.session().run("1").ok
+            time.sleep(0.5)
+            z = zygote()
+            fds_before, dirs_before = z.num_fds(), jail_dirs(sandbox)
+            refused = 0
+            for burst in range(4):
+                (here / "pids.max").write_text(str(int((here / "pids.current").read_text())))
+                sessions = [sandbox.session() for _ in range(16)]
+                refused += sum(not r.ok for r in sandbox.run_many([(s, "1") for s in sessions]))
+                for s in sessions:
+                    s.close()
+                time.sleep(0.3)  # the zygote's refill keeps trying (and failing) meanwhile
+                (here / "pids.max").write_text("max")
+                time.sleep(0.3)
+            (here / "pids.max").write_text("max")
+            time.sleep(1.0)
+            fds_after = z.num_fds()
+            dirs_after = jail_dirs(sandbox)
+            sessions = [sandbox.session() for _ in range(64)]
+            good = sum(r.ok and r.output == "3\\n" for r in sandbox.run_many([(s, "print(1 + 2)") for s in sessions]))
+            live = len(sessions)
+        print(json.dumps(dict(fds_before=fds_before, fds_after=fds_after, dirs_before=dirs_before,
+                              dirs_after=dirs_after, refused=refused, good=good, live=live)))
+        """,
+        pids_max=100_000,
+        nofile=1024,
+    )
+    assert result["refused"] > 0, f"no fork was refused: the test did not exercise its condition ({result})"
+    assert result["fds_after"] <= result["fds_before"] + 4, result
+    assert result["dirs_after"] <= result["dirs_before"] + 4, result
+    assert result["good"] == 64, result
