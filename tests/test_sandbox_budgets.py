@@ -159,3 +159,71 @@ def test_failed_forks_leave_no_descriptors_or_cgroups(report):
     assert result["fds_after"] <= result["fds_before"] + 4, result
     assert result["dirs_after"] <= result["dirs_before"] + 4, result
     assert result["good"] == 64, result
+
+
+HOG = """
+import os, time
+kids = 0
+for _ in range(80):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(8)
+        os._exit(0)
+    kids += 1
+time.sleep(6)
+print(kids)
+"""
+
+
+def test_sessions_together_cannot_exhaust_a_container_task_limit(report):
+    """A container's task limit (here a pids cgroup of 400 tasks around the trainer, standing for Docker's
+    `--pids-limit` or a Kubernetes pod's): 8 policy sessions each keep within their own process cap yet together hold
+    more than the container allows. Sessions opened meanwhile by innocents still start and answer (not
+    infrastructure errors), and the trainer can still start threads and `reserve()` jails."""
+    if not report["pids_cgroup"]:
+        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+    result = _run_trainer(
+        f"""
+        import json, threading, time
+        from retool_trl.sandbox import LocalSandbox
+        HOG = {HOG!r}
+        with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=512, max_processes=64, spares=2) as sandbox:
+            hogs = [sandbox.session() for _ in range(8)]
+            hog_results = []
+            runner = threading.Thread(target=lambda: hog_results.extend(sandbox.run_many([(s, HOG) for s in hogs])))
+            runner.start()
+            time.sleep(4)  # the hogs have forked what they could and hold it
+            innocents = [sandbox.session() for _ in range(6)]
+            results = sandbox.run_many([(s, "print(sum(range(10)))") for s in innocents])
+            good = sum(r.ok and r.output == "45\\n" for r in results)
+            infra = sum(r.infra_error for r in results)
+            started, stop = 0, threading.Event()
+            threads = []
+            for _ in range(16):
+                t = threading.Thread(target=stop.wait)
+                try:
+                    t.start()
+                    threads.append(t)
+                    started += 1
+                except RuntimeError:
+                    break
+            try:
+                sandbox.reserve(8)
+                reserved = True
+            except RuntimeError:
+                reserved = False
+            stop.set()
+            for t in threads:
+                t.join()
+            runner.join()
+            kids = [int(r.output) if r.ok else -1 for r in hog_results]
+        print(json.dumps(dict(good=good, infra=infra, started=started, reserved=reserved, kids=kids)))
+        """,
+        pids_max=400,
+    )
+    assert result["good"] == 6 and result["infra"] == 0, result
+    assert result["started"] == 16 and result["reserved"], result
+    assert sum(result["kids"]) < 400, result  # the hogs were bounded below the container's limit

@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["SandboxCgroups", "default_memory_mb"]
+__all__ = ["SandboxCgroups", "default_memory_mb", "task_budget"]
 
 _ROOT = Path("/sys/fs/cgroup")
 # v1 hierarchies we use, by the kind name the zygote knows them under.
@@ -59,6 +59,40 @@ def default_memory_mb(share: float = 0.5) -> int:
     return max(256, int(total * share) >> 20)
 
 
+def task_budget() -> int:
+    """How many more tasks (processes and threads) this process may start: the tightest of its pids cgroups on the
+    way up (v1, or v2's unified hierarchy: a container's task limit) and the kernel's `threads-max` and `pid_max`."""
+    try:
+        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+        kernel = min(int(Path(f"/proc/sys/kernel/{name}").read_text()) for name in ("threads-max", "pid_max"))
+        budget = kernel - running
+    except (OSError, ValueError, IndexError):
+        budget = _UNLIMITED
+    own, top = _own_path("pids"), _ROOT / "pids"
+    if own is None:
+        own, top = _own_path(""), _ROOT if (_ROOT / "cgroup.controllers").exists() else _ROOT / "unified"
+    if own is not None:
+        path = top / own.lstrip("/")
+        while top in [path, *path.parents]:
+            try:
+                limit = (path / "pids.max").read_text().strip()
+                if limit != "max":
+                    budget = min(budget, int(limit) - int((path / "pids.current").read_text()))
+            except (OSError, ValueError):
+                pass
+            if path == top:
+                break
+            path = path.parent
+    return max(0, budget)
+
+
+def sandbox_task_limit(budget: int) -> int:
+    """The sandbox's share of the tasks left (`task_budget()`): a quarter, at least 64, stays with the trainer (its
+    threads, data loaders, the zygote's forks of new jails), so sessions that each keep within their own process
+    cap cannot together exhaust a container's task limit."""
+    return max(1, budget - max(64, budget // 4))
+
+
 def _own_path(controller: str) -> str | None:
     """This process's cgroup path in the v1 hierarchy of `controller` ("" for v2), from /proc/self/cgroup."""
     try:
@@ -87,6 +121,7 @@ class SandboxCgroups:
         self.roots: list[tuple[str, str]] = []
         self.missing: list[str] = []
         self.v2_controllers: list[str] = []
+        self.task_limit: int | None = None  # tasks of all sessions together (pids.max of the sandbox's cgroup)
         if os.geteuid() != 0:
             self.missing.append("cgroups (not root: no writable memory/pids cgroup)")
             return
@@ -100,11 +135,14 @@ class SandboxCgroups:
         if not self.roots:
             self._try_v2(tag)
         self._limit_whole(memory_mb, cpu_weight)
+        self.task_limit = self._limit_tasks()
         kinds = self.kinds
         if not kinds & {"memory1", "memory"}:
             self.missing.append("memory cgroup (per-session memory is bounded per process only)")
         if not kinds & {"pids"}:
-            self.missing.append("pids cgroup (the per-session process cap is RLIMIT_NPROC only)")
+            self.missing.append(
+                "pids cgroup (the per-session process cap is RLIMIT_NPROC only; no bound on all sessions' tasks)"
+            )
         if not kinds & {"freezer", "v2"}:
             self.missing.append("freezer cgroup (processes a cell leaves are found through /proc only)")
         if not kinds & {"cpu"}:
@@ -128,6 +166,18 @@ class SandboxCgroups:
                         Path(root, name).write_text(str(value))
                     except OSError:
                         self.missing.append(f"{name} of the whole sandbox (could not be written)")
+
+    def _limit_tasks(self) -> int | None:
+        """Bounds the tasks of all sessions together (`sandbox_task_limit`); the limit written, or None."""
+        limit = sandbox_task_limit(task_budget())
+        for kind, root in self.roots:
+            if kind == "pids" or (kind == "v2" and "pids" in self.v2_controllers):
+                try:
+                    Path(root, "pids.max").write_text(str(limit))
+                    return limit
+                except OSError:
+                    self.missing.append("pids.max of the whole sandbox (could not be written)")
+        return None
 
     def _try_v2(self, tag: str) -> None:
         own = _own_path("")
