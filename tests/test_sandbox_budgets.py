@@ -227,3 +227,34 @@ def test_sessions_together_cannot_exhaust_a_container_task_limit(report):
     assert result["good"] == 6 and result["infra"] == 0, result
     assert result["started"] == 16 and result["reserved"], result
     assert sum(result["kids"]) < 400, result  # the hogs were bounded below the container's limit
+
+
+PARK_FILES = """
+import os
+for i in range(12):
+    with open(f"/dev/shm/park{i}", "wb") as f:
+        f.write(os.urandom(1 << 20) * 15)
+print("parked")
+"""
+
+
+def test_files_parked_in_tmpfs_count_against_their_own_session(report):
+    """A policy parks files in its session's `/dev/shm` (a tmpfs: memory that belongs to no process) until the
+    sandbox-wide memory bound is nearly reached, then an innocent session needs memory. The session holding the most
+    (its files included) must be the one killed, reported as its own memory failure, not the innocent, whose kill
+    would read as an infrastructure error and take its completion out of the loss."""
+    if not (report["memory_cgroup"] and report["jail_per_session"]):
+        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (isolation in force here: {report})")
+    with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=300, total_memory_mb=700, spares=1) as sandbox:
+        hogs = [sandbox.session() for _ in range(3)]
+        parked = sandbox.run_many([(s, PARK_FILES) for s in hogs])
+        assert all(r.ok for r in parked), [r.output[-300:] for r in parked]
+        innocent = sandbox.session()
+        result = innocent.run("data = b'x' * (150 << 20)\nprint(len(data) >> 20)")
+        assert result.ok and result.output == "150\n" and not result.infra_error, result
+        after = [s.run("print('alive')") for s in hogs]
+        killed = [r for r in after if not r.ok]
+        assert killed, "no session was killed, yet the sandbox's memory bound was exceeded"
+        for r in killed:
+            assert not r.infra_error and r.output.strip().splitlines()[-1].startswith("MemoryError"), r
+        assert innocent.run("print(len(data) >> 20)").output == "150\n"

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import struct
+import time
 
 HEADER = struct.Struct("!I")
 
@@ -73,6 +74,7 @@ class Jail:
         self.host = None  # the session's socket to the host, once handed out
         self.set_up = False
         self.closed = False
+        self.evicted = False  # killed by `MemoryWatch`: it held the most of the sandbox's full memory
 
     def hand_over(self, host):
         """The host now holds the request and status pipes: only it writes requests and reads statuses."""
@@ -93,6 +95,83 @@ class Jail:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+class MemoryWatch:
+    """Keeps the sandbox-wide memory bound (cgroup v1) instead of the kernel's OOM killer, which would pick a victim by
+    its processes' resident memory: files a session parks in its private `/tmp` or `/dev/shm` (a tmpfs) are charged
+    to its cgroup but to no process, so the kernel would kill an innocent neighbour while the session holding the
+    memory lives. Here the OOM killer of the sandbox's own cgroup is off (`oom_kill_disable`): a task that needs
+    memory once the bound is reached waits, the kernel signals an eventfd, and the zygote kills the jail whose cgroup
+    holds the most (files included); that session's next call reports it as its own memory failure.
+
+    Where a session's own bound is reached, its own cgroup's OOM killer still acts at once (it has no children)."""
+
+    RECHECK_S = 0.05  # still full after a victim was reaped: the next one (the kernel signals once per wait)
+
+    def __init__(self, cgroups):
+        self.fd = self.oom_fd = None
+        self.doomed = set()  # pids killed for memory, not yet reaped
+        self.recheck_at = None
+        root = next((path for kind, path in cgroups if kind == "memory1"), None)
+        if root is None:
+            return
+        oom_control = os.path.join(root, "memory.oom_control")
+        try:
+            self.oom_fd = os.open(oom_control, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            with open(os.path.join(root, "cgroup.event_control"), "w") as f:
+                f.write(f"{self.fd} {self.oom_fd}")
+            with open(oom_control, "w") as f:
+                f.write("1")
+        except OSError:  # the kernel's OOM killer stays in charge
+            self.close()
+
+    def close(self):
+        for fd in (self.fd, self.oom_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.oom_fd = None
+
+    def full(self):
+        """Whether a task of the sandbox is waiting for memory."""
+        try:
+            text = os.pread(self.oom_fd, 256, 0).decode()
+        except OSError:
+            return False
+        return "under_oom 1" in text
+
+    def relieve(self, jails):
+        """Kills the jail holding the most memory while the sandbox is full (one at a time: its memory is freed
+        when it dies, and another kill may then not be needed)."""
+        try:
+            os.read(self.fd, 8)
+        except OSError:
+            pass
+        self.doomed &= set(jails)
+        self.recheck_at = None
+        if not self.full():
+            return
+        self.recheck_at = time.monotonic() + self.RECHECK_S
+        if self.doomed:
+            return
+        held = []
+        for pid, jail in jails.items():
+            path = jail.cgroup_kinds.get("memory1")
+            try:
+                with open(os.path.join(path, "memory.usage_in_bytes")) as f:
+                    held.append((int(f.read()), pid))
+            except (OSError, TypeError, ValueError):
+                continue
+        if not held:
+            return
+        pid = max(held)[1]
+        jails[pid].evicted = True
+        self.doomed.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: the jail goes, and its tmpfs with it
+        except OSError:
+            pass
 
 
 def recv_control(sock):

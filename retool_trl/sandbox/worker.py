@@ -30,7 +30,7 @@ import traceback
 # only.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
-from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
+from reaping import Jail, MemoryWatch, death_cause, recv_control, rmdir_quietly  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
@@ -268,6 +268,8 @@ class _Zygote:
     def report_death(self, jail, status):
         """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
         cause = death_cause(status, jail.cgroups)
+        if jail.evicted:
+            cause.update(oom=True, evicted=True)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -363,6 +365,9 @@ class _Zygote:
         no_sigchld_on_stop()  # only deaths wake the zygote, not the per-call stop and resume of a session
         self.selector.register(self.control, selectors.EVENT_READ, ("control", None))
         self.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        memory = MemoryWatch(self.config["cgroups"])
+        if memory.fd is not None:
+            self.selector.register(memory.fd, selectors.EVENT_READ, ("memory", None))
         interfaces = [name for _, name in socket.if_nameindex()]
         _send(
             self.control,
@@ -382,7 +387,12 @@ class _Zygote:
                 timeout = max(0.0, self.reserve_until - time.monotonic())
             else:
                 timeout = None
+            if memory.recheck_at is not None:
+                due = max(0.0, memory.recheck_at - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
             events = self.selector.select(timeout)
+            if memory.recheck_at is not None and time.monotonic() >= memory.recheck_at:
+                memory.relieve(self.jails)
             # The usual spares are refilled only when the sandbox is quiet: a fork stalls the zygote and a jail's
             # set-up takes CPU from the calls. A reserve (more jails than the usual spares, asked for ahead of a
             # burst) is filled while no request comes, through the events of the jails it is starting: pausing for
@@ -402,6 +412,8 @@ class _Zygote:
                 if kind == "wake":
                     wake_r.recv(4096)
                     self.reap()
+                elif kind == "memory":
+                    memory.relieve(self.jails)
                 elif kind == "control":
                     if not self.on_control():
                         signal.set_wakeup_fd(-1)
