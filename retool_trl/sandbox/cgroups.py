@@ -11,12 +11,14 @@ SIGKILL leaves them behind) are removed when the next sandbox starts.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
-__all__ = ["SandboxCgroups", "default_memory_mb", "task_budget"]
+__all__ = ["SandboxCgroups", "default_memory_mb", "make_v2_sandbox", "task_budget", "v2_freeze", "v2_kill"]
 
 _ROOT = Path("/sys/fs/cgroup")
 # v1 hierarchies we use, by the kind name the zygote knows them under.
@@ -184,19 +186,12 @@ class SandboxCgroups:
         unified = _ROOT if (_ROOT / "cgroup.controllers").exists() else _ROOT / "unified"
         if own is None or not (unified / "cgroup.controllers").exists():
             return
-        parent = unified / own.lstrip("/")
-        try:
-            enabled = (parent / "cgroup.subtree_control").read_text().split()
-        except OSError:
-            return
-        wanted = [c for c in _V2_CONTROLLERS if c in enabled]
-        path = parent / tag
-        if wanted and self._make("v2", path):
-            try:  # the per-session directories below get these controllers' files
-                (path / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
-            except OSError:
-                pass
-            self.v2_controllers = wanted
+        _remove_stale(unified / own.lstrip("/"))
+        path, self.v2_controllers, problem = make_v2_sandbox(unified / own.lstrip("/"), tag, _V2_CONTROLLERS)
+        if path is not None:
+            self.roots.append(("v2", str(path)))
+        if problem:
+            self.missing.append(problem)
 
     def _make(self, kind: str, path: Path) -> bool:
         if any(os.path.realpath(made) == os.path.realpath(path) for _, made in self.roots):
@@ -212,6 +207,9 @@ class SandboxCgroups:
     def remove(self, timeout_s: float = 5.0) -> None:
         """Removes the sandbox's cgroups (and any per-session ones left), once the kernel has let go of them."""
         deadline = time.monotonic() + timeout_s
+        for kind, root in self.roots:
+            if kind == "v2":  # a v2 cgroup with a process in it cannot be removed: nothing of the sandbox may stay
+                v2_kill(root, timeout_s)
         for root in dict.fromkeys(path for _, path in self.roots):
             while True:
                 try:
@@ -227,6 +225,139 @@ class SandboxCgroups:
                         break
                     time.sleep(0.01)
         self.roots = []
+
+
+def make_v2_sandbox(own: Path, tag: str, wanted: tuple[str, ...]) -> tuple[Path | None, list[str], str | None]:
+    """Makes the sandbox's directory `own/tag` in the unified (v2) hierarchy, `own` being this process's cgroup, with
+    the `wanted` controllers delegated to the per-session directories below it. Returns the directory (None if it
+    could not be made), the controllers the sessions get, and why any is missing, in one line with its fix.
+
+    cgroup v2 lets a controller reach a cgroup's children only through the parent's `cgroup.subtree_control`, and
+    refuses that while the parent itself holds processes (the no-internal-processes rule; only the root is exempt).
+    This process is in `own`: where it and its own descendants are all that `own` holds, they move into a leaf
+    `own/retool-trainer-<pid>` first, so that `own` may delegate. Processes of others in `own` are not moved."""
+    try:
+        available = (own / "cgroup.controllers").read_text().split()
+        enabled = (own / "cgroup.subtree_control").read_text().split()
+    except OSError as exc:
+        return None, [], f"cgroup v2: {own} cannot be read ({exc.strerror})"
+    todo = [c for c in wanted if c in available and c not in enabled]
+    problems = [f"{c} is not delegated to {own}" for c in wanted if c not in available]
+    is_root = not (own / "cgroup.type").exists()  # the hierarchy's root, exempt from the rule (not a namespace's)
+    if todo and (is_root or _v2_leave_for_leaf(own)):
+        for controller in todo:
+            try:
+                (own / "cgroup.subtree_control").write_text(f"+{controller}")
+                enabled.append(controller)
+            except OSError as exc:
+                problems.append(f"{controller} cannot be enabled below {own} ({exc.strerror})")
+    elif todo:
+        problems.append(
+            f"{', '.join(todo)} cannot be enabled below {own}: it holds other processes (cgroup v2 lets a cgroup "
+            "with processes delegate no controller; start the trainer in a cgroup of its own, e.g. systemd-run "
+            "--scope -p Delegate=yes)"
+        )
+    got = [c for c in wanted if c in enabled]
+    path = own / tag
+    try:
+        path.mkdir(mode=0o755)
+    except OSError as exc:
+        return None, [], f"cgroup v2: {path} cannot be made ({exc.strerror})"
+    try:  # the sandbox's directory holds no process: the sessions' directories below it get these controllers
+        if got:
+            (path / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in got))
+    except OSError as exc:
+        problems.append(f"{' '.join(got)} cannot be enabled below {path} ({exc.strerror})")
+        got = []
+    return path, got, ("cgroup v2: " + "; ".join(problems)) if problems else None
+
+
+def _v2_leave_for_leaf(own: Path) -> bool:
+    """Moves this process, and its descendants in `own`, into the leaf `own/retool-trainer-<pid>`, if `own` holds
+    nothing else; True when `own` then holds no process."""
+    try:
+        members = {int(p) for p in (own / "cgroup.procs").read_text().split()}
+    except (OSError, ValueError):
+        return False
+    ours = {os.getpid()} | _descendants(os.getpid())
+    if not members:
+        return True
+    if not members <= ours:
+        return False
+    leaf = own / f"retool-trainer-{os.getpid()}"
+    try:
+        leaf.mkdir(mode=0o755, exist_ok=True)
+        for pid in sorted(members):
+            (leaf / "cgroup.procs").write_text(str(pid))
+        return not (own / "cgroup.procs").read_text().split()
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{parent}/task"):
+                children = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+                todo += [int(c) for c in children if int(c) not in found]
+                found.update(int(c) for c in children)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def v2_freeze(path: str | os.PathLike, frozen: bool, timeout_s: float = 1.0) -> bool:
+    """Freezes (or thaws) every process of a v2 cgroup at once through `cgroup.freeze`; True once `cgroup.events`
+    says the kernel is done (a freeze takes effect task by task)."""
+    try:
+        Path(path, "cgroup.freeze").write_text("1" if frozen else "0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = f"frozen {int(frozen)}" in Path(path, "cgroup.events").read_text()
+            if done or time.monotonic() > deadline:
+                return done
+            time.sleep(0.001)
+    except OSError:
+        return False
+
+
+def v2_kill(path: str | os.PathLike, timeout_s: float = 2.0) -> bool:
+    """Kills every process of a v2 cgroup and of the cgroups below it: `cgroup.kill` (Linux 5.14), which no fork
+    escapes, else frozen, each listed process SIGKILLed, thawed. True once the cgroup holds no process."""
+    kill_file = Path(path, "cgroup.kill")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if kill_file.exists():
+                kill_file.write_text("1")
+            else:
+                v2_freeze(path, True)
+                for pid in _v2_members(path):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                v2_freeze(path, False)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return True
+        if not _v2_members(path):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _v2_members(path: str | os.PathLike) -> set[int]:
+    found = set()
+    for directory, _, _ in os.walk(path):
+        try:
+            found.update(int(p) for p in Path(directory, "cgroup.procs").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _remove_stale(parent: Path) -> None:
