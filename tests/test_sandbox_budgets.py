@@ -102,6 +102,30 @@ def test_128_first_calls_under_the_common_descriptor_limit():
     assert result["good"] == 128, result
 
 
+def test_parked_sessions_hold_few_descriptors_under_a_hard_limit_of_1024():
+    """A trainer whose hard limit on open files is 1,024 too (a container started with `--ulimit nofile=1024`, where
+    the soft limit cannot be raised): 150 live sessions, opened by rollout turns of 32 calls, all keep answering. A
+    parked session must hold only the descriptors it cannot do without (before: 9 each, 1,350 for 150)."""
+    result = _run_trainer(
+        """
+        import json
+        from retool_trl.sandbox import LocalSandbox
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        with LocalSandbox(num_workers=2, timeout_s=60, memory_mb=512, spares=2) as sandbox:
+            sessions = [sandbox.session() for _ in range(150)]
+            good = 0
+            for turn in range(2):
+                for start in range(0, 150, 32):
+                    batch = sessions[start : start + 32]
+                    results = sandbox.run_many([(s, f"x = {turn}\\nprint(x + 1)") for s in batch])
+                    good += sum(r.ok and r.output == f"{turn + 1}\\n" for r in results)
+            fds = len(os.listdir("/proc/self/fd"))
+        print(json.dumps({"good": good, "fds": fds}))
+        """
+    )
+    assert result["good"] == 300, result
+
+
 def test_failed_forks_leave_no_descriptors_or_cgroups(report):
     """A container's task limit reached while the zygote forks jails (a burst of sessions, or a policy's processes
     filling it): every fork refused must clean up after itself. After bursts of refused forks the zygote holds no more
