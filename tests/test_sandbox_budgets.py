@@ -126,6 +126,44 @@ def test_parked_sessions_hold_few_descriptors_under_a_hard_limit_of_1024():
     assert result["good"] == 300, result
 
 
+def test_out_of_descriptors_fails_the_calls_that_cannot_start_and_leaks_nothing():
+    """A trainer that runs out of open files anyway (a hard limit of 200 here, far more sessions than fit): the
+    calls whose sessions cannot start fail alone, as infrastructure errors that say which limit to raise, never as
+    an exception out of `run_many` or a time-out blamed on the cell; closing sessions gives the descriptors back, and
+    new sessions then work."""
+    result = _run_trainer(
+        """
+        import json
+        from retool_trl.sandbox import LocalSandbox
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+        with LocalSandbox(num_workers=2, timeout_s=20, memory_mb=512, spares=2) as sandbox:
+            assert sandbox.session().run("1").ok
+            base = len(os.listdir("/proc/self/fd"))
+            sessions, results = [], []
+            for _ in range(8):
+                batch = [sandbox.session() for _ in range(8)]
+                sessions += batch
+                results += sandbox.run_many([(s, "print('up')") for s in batch])
+            failed = [r for r in results if not r.ok]
+            lines = sorted({r.output.strip().splitlines()[-1] for r in failed})
+            shape = sorted({(r.infra_error, r.timed_out) for r in failed})
+            slowest = max((r.duration_s for r in failed), default=0.0)
+            for s in sessions:
+                s.close()
+            after = len(os.listdir("/proc/self/fd"))
+            again = [sandbox.session() for _ in range(8)]
+            good = sum(r.ok for r in sandbox.run_many([(s, "print('up')") for s in again]))
+        print(json.dumps(dict(ok=len(results) - len(failed), failed=len(failed), lines=lines, shape=shape,
+                              slowest=slowest, base=base, after=after, good=good)))
+        """
+    )
+    assert result["failed"] > 0, f"every session fitted: the test did not run out of descriptors ({result})"
+    assert result["shape"] == [[True, False]], result
+    assert all("open-file limit" in line for line in result["lines"]), result
+    assert result["slowest"] < 10, result  # told at once, not after the 30 s a jail may take to set up
+    assert result["after"] <= result["base"] + 4 and result["good"] == 8, result
+
+
 def test_failed_forks_leave_no_descriptors_or_cgroups(report):
     """A container's task limit reached while the zygote forks jails (a burst of sessions, or a policy's processes
     filling it): every fork refused must clean up after itself. After bursts of refused forks the zygote holds no more

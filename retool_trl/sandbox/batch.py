@@ -349,6 +349,8 @@ class Batch:
         proc = session._proc
         if proc.idle_point is not None or proc.learn_idle_point(timeout_s=0.0) or proc.exited(grace_s=0.0):
             return False
+        if proc.setup_problem:  # it cannot be watched (the trainer is out of descriptors): `begin` reports it
+            return False
         return time.monotonic() - self.setup_since.get(session, time.monotonic()) < SETUP_WAIT_S
 
     def _take_back_set_up(self) -> None:
@@ -369,7 +371,10 @@ class Batch:
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
         self.sandbox.in_flight.add(entry)
         if problem == "not set up":
-            crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
+            crash = {
+                "setup_failed": proc.setup_problem
+                or f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"
+            }
             self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))
             return
         if problem:

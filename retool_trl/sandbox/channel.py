@@ -61,6 +61,7 @@ class SessionProcess(JailSweep):
         "idle_point",
         "cgroups",
         "cpu_start",
+        "setup_problem",
         "__weakref__",
     )
 
@@ -71,7 +72,9 @@ class SessionProcess(JailSweep):
         os.set_blocking(self.status_r, False)
         try:
             self.pidfd: int | None = os.pidfd_open(host_pid)  # signals through it cannot hit a recycled pid
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # without it no signal would reach the process
+                raise
             self.pidfd = None
         self.proc_fds: dict[str, int] = {}  # /proc files kept open: a pread is 5x cheaper than an open
         self.socket_buffer, self.status_buffer = bytearray(), bytearray()
@@ -81,13 +84,14 @@ class SessionProcess(JailSweep):
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
+        self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
         """Reads the zygote's hello (sent before its reply to the spawn request, so already here)."""
         sock.settimeout(timeout_s)
         space = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * _HELLO_FDS)
-        data, ancdata, _, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
+        data, ancdata, flags, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
         fds, host_pid = [], None
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -99,11 +103,18 @@ class SessionProcess(JailSweep):
         if len(fds) != _HELLO_FDS or not hello or not hello[0].get("hello"):
             for fd in fds:
                 os.close(fd)
+            if flags & socket.MSG_CTRUNC:  # the kernel had no descriptor slot for the channels it carried
+                raise OSError(errno.EMFILE, "Too many open files (the session's channels could not be received)")
             raise ConnectionError("the sandbox zygote sent an invalid hello")
         if not hello[0].get("creds"):  # unprivileged: the zygote shares our pid namespace
             host_pid = int(hello[0]["pid"])
         sock.setblocking(False)
-        proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
+        try:
+            proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         proc.socket_buffer = buffer
         cgroups = hello[0].get("cgroups")
         proc.cgroups = {str(k): str(v) for k, v in cgroups.items()} if isinstance(cgroups, dict) else {}
@@ -121,6 +132,14 @@ class SessionProcess(JailSweep):
         `setup_wait_s`)."""
         if self.closed:
             return "gone"
+        self.setup_problem = None
+        try:  # the files a call is watched through, opened now: a call must not wait on one it cannot open
+            for name in ("syscall", "stat"):
+                self._proc_fd(name)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self.setup_problem = f"the trainer is out of descriptors ({exc.strerror}): raise its open-file limit"
+                return "not set up"
         if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         self.status, self.status_buffer = None, bytearray()
@@ -206,7 +225,9 @@ class SessionProcess(JailSweep):
         """(stack pointer, instruction pointer) of a `read` of fd 3 the process is blocked in, else None."""
         try:
             fields = os.pread(self._proc_fd("syscall"), 256, 0).split()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a jail still setting up: waiting would not help
+                self.setup_problem = f"the trainer is out of descriptors ({exc.strerror}): raise its open-file limit"
             return None
         # "nr arg0 ... arg5 sp pc" while in a system call ("running" or "-1 sp pc" otherwise)
         if len(fields) == 9 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD:

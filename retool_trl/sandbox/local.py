@@ -51,6 +51,11 @@ def _raise_open_file_limit() -> None:
                 pass
 
 
+def _hint(exc: Exception) -> str:
+    """The fix, where a session could not start because the trainer ran out of descriptors."""
+    return " (raise the trainer's open-file limit: ulimit -n)" if getattr(exc, "errno", None) in (24, 23) else ""
+
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
@@ -419,7 +424,15 @@ class LocalSandbox(CallResults):
     def _handed_out(self, zygote: _Zygote, count: int, extra: int = 0) -> list[SessionProcess | str]:
         """Asks the zygote for `count` jails in one round trip, and for up to `extra` more that it has ready (never
         forked for them: a fork on this path delays the caller): a `SessionProcess` per jail, or the error text."""
-        pairs = [socket.socketpair() for _ in range(count + extra)]
+        needed = count
+        pairs, short = [], None
+        try:
+            for _ in range(count + extra):
+                pairs.append(socket.socketpair())
+        except OSError as exc:  # out of descriptors: the calls left without a jail fail alone, nothing leaks
+            short = f"SandboxError: could not start a session process: {exc}{_hint(exc)}"
+            extra = max(0, len(pairs) - count)
+            count = min(count, len(pairs))
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         requests = [{"op": "spawn"}] * count + [{"op": "spawn", "ready_only": True}] * extra
@@ -436,8 +449,8 @@ class LocalSandbox(CallResults):
                 procs.append(SessionProcess.from_hello(ours))
             except (OSError, ConnectionError, ValueError) as exc:
                 ours.close()
-                procs.append(f"SandboxError: could not start a session process: {exc}")
-        return procs
+                procs.append(f"SandboxError: could not start a session process: {exc}{_hint(exc)}")
+        return procs[:count] + [short] * (needed - count) + procs[count:] if short else procs
 
     def _kill(self, session: LocalSession) -> None:
         """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;
