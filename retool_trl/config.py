@@ -45,7 +45,9 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             Tag that closes the interpreter output.
         system_prompt (`str` or `None`, defaults to `"retool"`):
             Name of a shipped prompt (`retool`, `retool_concise`), a literal prompt, or `None`/`"none"`. It is
-            prepended to conversational prompts that have no system message; the tags above are filled in.
+            prepended to conversational prompts that have no system message, as a system message; plain-text
+            prompts are left as they are (a text prompt is the model's whole input, as in TRL). The tags above are
+            filled in. A model saved by `ReToolTrainer` records it, and `retool-trl eval` of that model uses it.
 
         > Interpreter calls
 
@@ -67,20 +69,25 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             Async rollout: completions in flight at once on each process.
         vllm_request_timeout_s (`float` or `None`, defaults to `None`):
             Async rollout in vLLM server mode: longest wait for one turn, in seconds (`None`: no limit). A turn past
-            it leaves its completion unscored and out of the loss, counted in `retool/engine_timeout_ratio`.
+            it ends its completion as an engine failure, counted in `retool/engine_timeout_ratio`; with
+            `drop_infra_failures` on, that completion is unscored and out of the loss, without it the
+            completion is scored as it stands.
 
         > Sandbox
 
         sandbox_backend (`str`, defaults to `"local"`):
             `"local"` (worker pool on this machine) or `"remote"` (SandboxFusion-compatible HTTP service).
         sandbox_workers (`int` or `None`, defaults to `None`):
-            Size of the local worker pool (default: the number of CPUs).
+            Size of the local worker pool (default: the CPUs this process may use, divided among the ranks on this
+            node).
         sandbox_timeout_s (`float`, defaults to `5.0`):
             Wall-clock limit of one code execution, in seconds.
         sandbox_memory_mb (`int`, defaults to `1024`):
             Address-space limit of a sandbox session, in MiB (sent to the remote service as its memory limit).
-        sandbox_url (`str` or `None`, defaults to `None`):
-            Base URL of the SandboxFusion service; required when `sandbox_backend="remote"`.
+        sandbox_url (`str`, `list[str]` or `None`, defaults to `None`):
+            Base URL of the sandbox service (`retool-trl sandbox-server`, or SandboxFusion), or several (a list, or
+            comma-separated): each session is pinned to one for its life. Required when `sandbox_backend="remote"`.
+            A server's `--token` is read from `RETOOL_SANDBOX_TOKEN`.
         sandbox_max_concurrency (`int`, defaults to `32`):
             Requests in flight to the remote sandbox service.
 
@@ -111,9 +118,11 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
     def __post_init__(self):
         self._validate_retool_fields()
         self._check_json_fields()
-        # TRL defaults `bf16` to True, which transformers refuses on a machine without a bf16 GPU: left unset, it
-        # follows the hardware, so `ReToolConfig(...)` works on CPU as written (an explicit `bf16=True` still fails).
-        if self.bf16 is None and not self.fp16 and not _bf16_supported():
+        # TRL's default: `bf16` left unset is True (mixed precision), also with `use_cpu=True`, where transformers
+        # accepts it (CPU autocast), so that a run without ReTool code trains exactly as `GRPOTrainer` would. Only
+        # where transformers would refuse it (no bf16 GPU, no `use_cpu`) does it become False, so `ReToolConfig(...)`
+        # works there as written (an explicit `bf16=True` still fails, as in TRL).
+        if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_supported():
             self.bf16 = False
         # TRL's default `gradient_checkpointing=True` uses the name transformers >= 5.3 deprecates (one FutureWarning
         # per config); where `activation_checkpointing` exists and is unset, the value moves to it.
@@ -152,6 +161,12 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "ReToolConfig.generation_kwargs['num_beams'] must be 1: GRPO learns from completions sampled from the "
                 "policy, and beam search is a search, not a sample (its completions and their log-probabilities are "
                 "not the policy's). Remove num_beams; use num_generations for more samples per prompt."
+            )
+        if generation_kwargs.get("min_tokens"):
+            raise ValueError(
+                "ReToolConfig.generation_kwargs['min_tokens'] is not supported: vLLM applies it to each request, and "
+                "the rollout makes one request per turn, so every turn (each code call's continuation too) would be "
+                "forced to that length, not the completion. Remove min_tokens."
             )
         if generation_kwargs.get("num_return_sequences", 1) != 1:
             raise ValueError(

@@ -85,10 +85,11 @@ class ReToolOptions:
         default=None,
         metadata={
             "help": "Async rollout in vLLM server mode: longest wait for one turn's reply, in seconds; None (the "
-            "default) waits as long as the turn takes. A turn past it leaves its completion unscored and out of the "
-            "loss, counted in `retool/engine_timeout_ratio`. Connecting to the server is bounded either way, and a "
-            "server that goes away fails its requests at once. (`vllm_server_timeout` is how long to wait for the "
-            "server to start.)"
+            "default) waits as long as the turn takes. A turn past it ends its completion as an engine failure, "
+            "counted in `retool/engine_timeout_ratio` (with drop_infra_failures on, that completion is unscored "
+            "and out of the loss; without it, scored as it stands). Connecting to the server is bounded "
+            "either way, and a server that goes away fails its requests at once. (`vllm_server_timeout` is how long "
+            "to wait for the server to start.)"
         },
     )
     sandbox_backend: str = field(
@@ -99,7 +100,11 @@ class ReToolOptions:
         },
     )
     sandbox_workers: int | None = field(
-        default=None, metadata={"help": "Local sandbox pool size (default: the number of CPUs)."}
+        default=None,
+        metadata={
+            "help": "Local sandbox pool size (default: the CPUs this process may use, divided among the ranks on "
+            "this node)."
+        },
     )
     sandbox_timeout_s: float = field(default=5.0, metadata={"help": "Wall-clock limit of one code execution."})
     sandbox_memory_mb: int = field(default=1024, metadata={"help": "Address-space limit of a sandbox session."})
@@ -111,7 +116,11 @@ class ReToolOptions:
         },
     )
     sandbox_url: str | None = field(
-        default=None, metadata={"help": "Base URL of the SandboxFusion service (sandbox_backend='remote')."}
+        default=None,
+        metadata={
+            "help": "Base URL of the sandbox service (sandbox_backend='remote'): `retool-trl sandbox-server` or "
+            "SandboxFusion; several as a list (YAML) or comma-separated, each session pinned to one."
+        },
     )
     sandbox_max_concurrency: int = field(
         default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}

@@ -11,6 +11,7 @@ PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so i
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import warnings
 
@@ -22,6 +23,7 @@ from trl.models import unwrap_model_for_generation
 from .config import ReToolConfig
 from .errors import UserError
 from .format.parsing import Tags, with_system_prompt
+from .format.prompts import write_prompt_settings
 from .models.names import resolve_model
 from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
 from .rewards.functions import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
@@ -33,6 +35,7 @@ from .rollout.engines.vllm_server import server_engine_from_config
 from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .training.metrics import rollout_metrics
+from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
 
 
@@ -81,6 +84,7 @@ class ReToolTrainer(GRPOTrainer):
             use_reload_weights_on_cpu(self.vllm_generation)
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
+        self._sandbox_health = SandboxHealth("training")  # stops the run when the sandbox cannot run code
         self._rollout_inputs: list[dict] = []
         self._dropped: list[bool] = []
         self._roc_rng = random.Random(args.seed)
@@ -92,7 +96,7 @@ class ReToolTrainer(GRPOTrainer):
             self._sandbox = sandbox_from_config(self.args)
         # A sandbox given by the user gets the config's cell limits too (a no-op when set already or not asked for).
         self._sandbox = with_cell_limits(self._sandbox, self.args)
-        return self._sandbox
+        return self._sandbox_health.watch(self._sandbox)
 
     def close_sandbox(self) -> None:
         """Stops the sandbox workers this trainer started (a user-provided sandbox is left to its owner)."""
@@ -112,8 +116,12 @@ class ReToolTrainer(GRPOTrainer):
 
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
-        spec = RolloutSpec.from_config(self.args, self.eos_token_ids)
+        spec = RolloutSpec.from_config(self.args, self.eos_token_ids, self._engine_max_model_len())
         if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
+            if self.vllm_generation.mode == "server" and self.accelerator.num_processes > 1:
+                # As TRL's own server path (its `gather_object` of the prompts): no process sends a request before
+                # the main process has pushed the new weights and reset the server's prefix cache (`sync_weights`).
+                self.accelerator.wait_for_everyone()
             # Each completion its own loop against the continuously batching engine (the server, or this process's
             # colocated engine driven request by request); no collective call is needed. Weights were synced by TRL.
             with profiling_context(self, "vLLM.async_rollout"):
@@ -132,6 +140,7 @@ class ReToolTrainer(GRPOTrainer):
                 self.args.code_end,
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
+                max_model_len=spec.max_model_len,
             )
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
         with (
@@ -152,7 +161,33 @@ class ReToolTrainer(GRPOTrainer):
         colocated engine's request-level API."""
         if self.vllm_generation.mode == "colocate":
             return ColocateEngine(self.vllm_generation, self._tokenizer, self.args.code_end)
-        return server_engine_from_config(self.args, self._tokenizer, self.vllm_generation, _server_url(self.args))
+        return server_engine_from_config(
+            self.args, self._tokenizer, self.vllm_generation, _server_url(self.args), self._engine_max_model_len()
+        )
+
+    def _engine_max_model_len(self) -> int | None:
+        """The vLLM engine's context limit (prompt + completion tokens): the colocated engine's own, or the server's
+        (its `/v1/models` card); `None` without vLLM or when the server does not say."""
+        if not self.use_vllm:
+            return None
+        if getattr(self, "_max_model_len", 0) == 0:  # asked once
+            self._max_model_len = None
+            if self.vllm_generation.mode == "colocate":
+                with contextlib.suppress(AttributeError):
+                    self._max_model_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len
+                self._max_model_len = self._max_model_len or self.args.vllm_max_model_length
+            else:
+                import httpx
+
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                    reply = httpx.get(f"{_server_url(self.args)}/v1/models", timeout=30.0)
+                    self._max_model_len = reply.json()["data"][0].get("max_model_len")
+        return self._max_model_len
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if self.is_world_process_zero():  # how prompts were built, for `retool-trl eval` of this model
+            write_prompt_settings(output_dir or self.args.output_dir, self.args, self.train_dataset)
 
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
@@ -191,10 +226,11 @@ class ReToolTrainer(GRPOTrainer):
         prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
         prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
-        if args.roc_oversample > 1 and mode == "train":
-            result = self._resample_on_correct(prompts, prompt_ids)
-        else:
-            result = self._generate_rollout(prompt_ids)
+        with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
+            if args.roc_oversample > 1 and mode == "train":
+                result = self._resample_on_correct(prompts, prompt_ids)
+            else:
+                result = self._generate_rollout(prompt_ids)
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
@@ -293,7 +329,11 @@ def _async_applies(vllm_generation) -> bool:
 def _server_url(args) -> str:
     if args.vllm_server_base_url:
         return args.vllm_server_base_url
-    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    host = args.vllm_server_host
+    if host in ("0.0.0.0", ""):
+        # A server listening on every interface, where TRL's main process reaches it (its own host): the launcher's
+        # MASTER_ADDR, so that processes on other nodes reach it too; this host when run without a launcher.
+        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return f"http://{host}:{args.vllm_server_port}"
 
 

@@ -6,6 +6,7 @@ the state of the first. Limits and isolation stay on (bubblewrap when it works, 
 
     python scripts/bench_sandbox.py [--sessions 64] [--json]
     python scripts/bench_sandbox.py --scale [--scale-factor 1.0] [--json]   # a whole GRPO batch (sandbox_scale.py)
+    python scripts/bench_sandbox.py --server [--server-runs 3] [--json]      # retool-trl sandbox-server, 127.0.0.1
 
 Jails are pre-started while the model generates: the sandbox keeps `--spares` of them (default: one batch), and the
 run idles `--idle` seconds before each phase, as a trainer does while it loads and generates (not measured).
@@ -159,10 +160,24 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="measure a whole GRPO batch instead (see sandbox_scale)")
     parser.add_argument("--scale-factor", type=float, default=1.0, help="with --scale: size of every measurement")
     parser.add_argument("--bursts", type=int, default=6, help="with --scale: bursts of fresh sessions, each way")
+    parser.add_argument(
+        "--server", action="store_true", help="measure retool-trl sandbox-server (sandbox_server_bench)"
+    )
+    parser.add_argument("--server-runs", type=int, default=3, help="with --server: alternated runs (medians)")
+    parser.add_argument("--server-calls", type=int, default=50, help="with --server: small cells per session")
+    parser.add_argument("--server-sessions", type=int, default=5, help="with --server: 8-call sessions each way")
+    parser.add_argument("--server-work", type=int, default=200_000, help="with --server: size of the session's cell")
     args = parser.parse_args()
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))
+    if args.server:
+        from sandbox_server_bench import run_server  # scripts/ is on sys.path when run as a script
+
+        row = run_server(args)
+        if args.json:
+            print(json.dumps(row))
+        return
     if args.scale:
         from sandbox_scale import run_scale  # scripts/ is on sys.path when run as a script
 

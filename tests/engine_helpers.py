@@ -68,11 +68,13 @@ def free_port() -> int:
 class VLLMServer:
     """TRL's vLLM server (`scripts/vllm_serve.py`) on 127.0.0.1, started and stopped by the caller (a fixture)."""
 
-    def __init__(self, model: str, port: int | None = None, startup_timeout_s: float = 300.0):
+    def __init__(
+        self, model: str, port: int | None = None, startup_timeout_s: float = 300.0, max_model_len: int = 512
+    ):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
-        command = local_command(model, self.port, max_model_len=512)
+        command = local_command(model, self.port, max_model_len=max_model_len)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() ends the server and the engine core it spawns, nothing else.
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,3 +119,88 @@ def assert_same_rollout(ours, barrier, snippet_timeout: bool) -> None:
     assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
     for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+class RefusingProxy:
+    """A proxy on 127.0.0.1 in front of a vLLM server, standing for a vLLM router: it refuses a prefix-cache reset
+    while completions requests run (HTTP 409), and makes a weight push slow (`push_delay_s` before the reload is
+    forwarded: the time a large model's weights take to stream). Records `events`: `("completions", t)` when a
+    completions request arrives, `("push", t_start, t_done)`, `("reset", t, status)`."""
+
+    def __init__(self, backend: str, push_delay_s: float = 3.0):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.backend, self.push_delay_s = backend.rstrip("/"), push_delay_s
+        self.events, self.running, self.lock = [], 0, threading.Lock()
+        self.client = httpx.Client(timeout=None)
+
+        class Handler(BaseHTTPRequestHandler):  # HTTP/1.0: one request per connection, the reply ends at close
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                outer.forward(self, "GET", b"")
+
+            def do_POST(self):
+                outer.forward(self, "POST", self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def forward(self, handler, method: str, body: bytes) -> None:
+        path = handler.path
+        if path.startswith("/reset_prefix_cache"):
+            with self.lock:
+                busy = self.running
+                if busy:
+                    self.events.append(("reset", time.monotonic(), 409))
+            if busy:
+                self._reply(handler, 409, {"error": {"message": f"{busy} requests are running", "code": 409}})
+                return
+        completions = path.startswith("/v1/completions")
+        if completions:
+            with self.lock:
+                self.running += 1
+                self.events.append(("completions", time.monotonic()))
+        push = path.startswith("/collective_rpc")
+        started = time.monotonic()
+        if push:
+            time.sleep(self.push_delay_s)
+        headers = {"Content-Type": handler.headers.get("Content-Type", "application/json")}
+        try:
+            with self.client.stream(method, self.backend + path, content=body or None, headers=headers) as reply:
+                handler.send_response(reply.status_code)
+                handler.send_header("Content-Type", reply.headers.get("content-type", "application/json"))
+                handler.end_headers()
+                for chunk in reply.iter_raw():
+                    handler.wfile.write(chunk)
+                    handler.wfile.flush()
+                status = reply.status_code
+        finally:
+            with self.lock:
+                self.running -= completions
+                if push:
+                    self.events.append(("push", started, time.monotonic()))
+        if path.startswith("/reset_prefix_cache"):
+            with self.lock:
+                self.events.append(("reset", time.monotonic(), status))
+
+    @staticmethod
+    def _reply(handler, status: int, body: dict) -> None:
+        import json
+
+        data = json.dumps(body).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.client.close()

@@ -4,10 +4,12 @@ collective checked as NCCL checks it: `nccl_harness`).
     torchrun --nproc_per_node 2 tests/multiproc_worker.py MODE OUT_DIR [SERVER_URL]
 
 MODE: `ddp` (transformers backend, a tiny Qwen2 forced to scripted completions), `vllm_server` (greedy quickstart
-model through a real vLLM server) or `vllm_colocate` (greedy quickstart model, one colocated engine per rank). FSDP
-is not run: accelerate enables it only for multi-device distributed types, never for several CPU processes. Prompts
-are split so that the ranks need different numbers of turns (rank 0's completions call code, rank 1's never). Each
-rank writes `OUT_DIR/rank{R}.json`: prompt -> the completion's text and interpreter mask, and the training losses.
+model through a real vLLM server), `vllm_server_sync` (a training step's weights pushed to that server by TRL's own
+`sync_weights`, then the async rollout) or `vllm_colocate` (greedy quickstart model, one colocated engine per
+rank). FSDP is not run: accelerate enables it only for multi-device distributed types, never for several CPU
+processes. Prompts are split so that the ranks need different numbers of turns (rank 0's completions call code, rank
+1's never). Each rank writes `OUT_DIR/rank{R}.json`: prompt -> the completion's text and interpreter mask, and the
+training losses.
 """
 
 from __future__ import annotations
@@ -175,6 +177,88 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
     return {"completions": completions, "losses": []}
 
 
+def push_by_reload(out_dir: Path, model_dir: str):
+    """`VLLMClient.update_named_params` over vLLM's reload API instead of NCCL (which needs CUDA): the tensors TRL's
+    `sync_weights` streams are written as a checkpoint and the server's workers reload from it (`/collective_rpc`
+    `reload_weights`). TRL's `sync_weights` itself (which process pushes, what it iterates, the prefix-cache reset
+    after the push) runs unchanged."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def update_named_params(self, metadata, named_params):
+        folder = out_dir / "pushed"
+        folder.mkdir(exist_ok=True)
+        save_file({name: t.detach().contiguous().clone() for name, t in named_params}, folder / "model.safetensors")
+        shutil.copy(Path(model_dir) / "config.json", folder / "config.json")
+        method = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        self._post(f"{self.base_url}/collective_rpc", json=method)
+
+    return update_named_params
+
+
+def policy_logprobs(model, prompt_ids, completion_ids, n: int) -> list[list[float]]:
+    """Log-probs of the first `n` tokens of each completion under `model` (eval mode, no grad)."""
+    model.eval()
+    rows = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompt_ids, completion_ids, strict=True):
+            ids = torch.tensor([list(prompt) + list(completion)])
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+            targets = torch.tensor(list(completion[:n]))
+            rows.append(torch.log_softmax(logits, -1)[torch.arange(len(targets)), targets].tolist())
+    model.train()
+    return rows
+
+
+def rollout_server_sync(out_dir: Path, rank: int, world: int, server_url: str) -> dict:
+    """A new training step in server mode: the policy's weights changed (the same on every rank), TRL's `_generate`
+    syncs them to the server (rank 0 pushes, then resets the prefix cache), then each rank's async rollout. Returns
+    each rank's sampling log-probs of its completions' first tokens, and those tokens' log-probs under the updated
+    and the previous policy."""
+    from trl.generation.vllm_client import VLLMClient
+
+    from retool_trl.quickstart import model_path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_helpers import engine_config, quickstart_tokenizer
+
+    VLLMClient.init_communicator = lambda self, device=None: None  # NCCL needs CUDA: the push goes by reload
+    VLLMClient.update_named_params = push_by_reload(out_dir, model_path())
+    prompts_by_rank = json.loads((out_dir / "prompts.json").read_text())
+    args = engine_config(
+        out_dir / "run",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server_url,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        rollout_mode="async",
+    )
+    with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
+        dataset = Dataset.from_list([{"prompt": "x", "answer": "1"}] * 8)
+        trainer = ReToolTrainer(
+            model_path(), args=args, train_dataset=dataset, processing_class=quickstart_tokenizer(), sandbox=sandbox
+        )
+        trainer.vllm_generation.temperature = 0.0
+        trainer.model.train()
+        # The step's update, the same on every rank: the last layer's MLP output flips sign (not the tied embedding,
+        # whose LM head vLLM's CPU build keeps packed from the old one on a reload).
+        weight = trainer.model.model.layers[-1].mlp.down_proj.weight
+        with torch.no_grad():
+            weight.mul_(-1.0)
+        trainer.state.global_step = trainer._last_loaded_step + 1  # a new step: `_generate` syncs the weights first
+        with nccl_faithful():
+            out = trainer._generate(prompts_by_rank[rank])
+        prompt_ids, completion_ids, logprobs = out[0], out[1], out[4]
+        n = 8
+        new = policy_logprobs(trainer.model, prompt_ids, completion_ids, n)
+        with torch.no_grad():
+            weight.mul_(-1.0)
+        old = policy_logprobs(trainer.model, prompt_ids, completion_ids, n)
+    return {"sampled": [list(lp[:n]) for lp in logprobs], "new": new, "old": old, "losses": []}
+
+
 def rollout_colocate(out_dir: Path, rank: int, world: int) -> dict:
     """Each rank its own colocated engine; both loops, on ranks that need different numbers of turns (the async loop
     makes no collective call, so a rank that is done returns while the other still generates)."""
@@ -222,10 +306,12 @@ def main() -> None:
         result = train_scripted(out_dir, rank, world)
     elif mode == "vllm_server":
         result = rollout_server(out_dir, rank, world, sys.argv[3])
+    elif mode == "vllm_server_sync":
+        result = rollout_server_sync(out_dir, rank, world, sys.argv[3])
     elif mode == "vllm_colocate":
         result = rollout_colocate(out_dir, rank, world)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use ddp, vllm_server or vllm_colocate")
+        raise SystemExit(f"unknown mode {mode!r}: use ddp, vllm_server, vllm_server_sync or vllm_colocate")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
         dist.barrier()

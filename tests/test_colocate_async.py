@@ -68,11 +68,15 @@ class FakeLLMEngine:
             if done:
                 del self.running[request_id]
                 logprobs = [{t: types.SimpleNamespace(logprob=-0.5)} for t in req["out"]]
-                completion = types.SimpleNamespace(token_ids=req["out"], logprobs=logprobs)
+                reason = "stop" if token == EOS or len(req["out"]) < params.max_tokens else "length"
+                completion = types.SimpleNamespace(token_ids=req["out"], logprobs=logprobs, finish_reason=reason)
                 finished.append(types.SimpleNamespace(request_id=request_id, finished=True, outputs=[completion]))
                 with self.lock:
                     self.events.append(("finish", request_id, time.monotonic()))
         return finished
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
 
     def abort_request(self, request_ids):
         self.aborted += list(request_ids)

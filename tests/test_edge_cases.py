@@ -62,15 +62,28 @@ def test_retry_uses_a_fresh_session_with_the_earlier_cells_replayed():
     assert result.infra_failed == [False] and result.num_tool_errors == [0]
 
 
-class DownSandbox(FakeSandbox):
+class PartlyDownSandbox(FakeSandbox):
+    """Fails the cells that print 1 or 2 for its own reasons; runs the others (a step that fails every call stops
+    the run instead: tests/test_no_silent_failure.py)."""
+
     def run_many(self, pairs):
-        return [ExecResult("SandboxError: service down", False, False, 0.0, infra_error=True) for _ in pairs]
+        return [
+            ExecResult("SandboxError: service down", False, False, 0.0, infra_error=True)
+            if code in ("print(1)", "print(2)")
+            else super(PartlyDownSandbox, self).run_many([(session, code)])[0]
+            for session, code in pairs
+        ]
 
 
 @pytest.mark.parametrize("drop", [True, False])
 def test_infra_failures_are_unscored_by_every_reward_function(tmp_path, drop):
-    scripts = ["<code>print(1)</code>\\boxed{42}", "\\boxed{41}", "\\boxed{42}", "<code>print(2)</code>\\boxed{40}"]
-    trainer = trainer_for(tmp_path, scripts, DownSandbox(), tool_use_bonus=0.1, drop_infra_failures=drop)
+    scripts = [
+        "<code>print(1)</code>\\boxed{42}",
+        "<code>print(3)</code>\\boxed{41}",
+        "\\boxed{42}",
+        "<code>print(2)</code>\\boxed{40}",
+    ]
+    trainer = trainer_for(tmp_path, scripts, PartlyDownSandbox(), tool_use_bonus=0.1, drop_infra_failures=drop)
     seen = record_rewards(trainer)
     inputs = trainer._generate_and_score_completions([{"prompt": "Q:", "answer": "42"} for _ in range(4)])
     failed_rows = seen["rewards"][[0, 3]]

@@ -61,3 +61,40 @@ def test_colocate_async_two_processes_with_different_turns(tmp_path):
     assert ranks[0]["turns"]["async"] == [2, 2] and ranks[1]["turns"]["async"] == [1, 1], ranks
     for rank in ranks:
         assert rank["completions"]["async"] == rank["completions"]["barrier"]
+
+
+def gap(a: list[list[float]], b: list[list[float]]) -> float:
+    """Mean absolute difference of two rows-of-log-probs tables."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(abs(x - y) for x, y in pairs) / len(pairs)
+
+
+def test_server_mode_every_rank_samples_from_the_new_weights_after_trls_weight_sync(tmp_path):
+    """The documented multi-GPU recipe: `accelerate launch` ranks, one `trl vllm-serve` server, `rollout_mode: async`.
+    At a new step TRL's own `sync_weights` runs (rank 0 pushes the weights, here over vLLM's reload API since NCCL
+    needs CUDA, then resets the server's prefix cache) through a proxy that, as vLLM routers do, refuses the reset
+    while requests run (HTTP 409) and makes the push take 3 s, as a large model's does. Every rank's first tokens
+    must come from the new weights: their sampling log-probs match the updated policy's, not the previous one's; no
+    request reaches the server before the reset; the reset is accepted. Before the fix rank 1 sent its requests while
+    rank 0 was still pushing (old weights), and the reset met them."""
+    from engine_helpers import RefusingProxy, VLLMServer, quickstart_dataset
+
+    from retool_trl.quickstart import model_path
+
+    texts = list(quickstart_dataset(4, seed=1)["prompt"])
+    (tmp_path / "prompts.json").write_text(json.dumps([texts[:2], texts[2:]]))
+    server = VLLMServer(model_path())
+    proxy = RefusingProxy(server.base_url, push_delay_s=3.0)
+    try:
+        ranks = launch("vllm_server_sync", tmp_path, 2, proxy.url)
+    finally:
+        proxy.close()
+        server.stop()
+    [(_, pushed_from, pushed)] = [e for e in proxy.events if e[0] == "push"]
+    resets = [e for e in proxy.events if e[0] == "reset"]
+    arrivals = [e[1] for e in proxy.events if e[0] == "completions"]
+    assert [status for _, _, status in resets] == [200], proxy.events
+    assert arrivals and min(arrivals) > resets[0][1] > pushed, proxy.events
+    for rank in ranks:
+        assert gap(rank["new"], rank["old"]) > 0.25  # the step's update is visible in the log-probs
+        assert gap(rank["sampled"], rank["new"]) < 0.05, rank

@@ -407,3 +407,47 @@ def test_colocate_async_trains_with_lora(tmp_path, tokenizer, sandbox):
     sampled = torch.tensor(result.logprobs[0])
     mask = torch.tensor(result.interpreter_mask[0], dtype=torch.bool)
     assert (sampled[mask] - policy[mask]).abs().mean().item() < 0.1
+
+
+# ------------------------------------------------------------------------------- a server with a small context
+def test_rows_of_different_context_fit_a_server_with_a_small_max_model_len(tokenizer, sandbox, tmp_path):
+    """A server started with `--max_model_len 128` (TRL's advice: close to prompt + completion) and
+    `max_completion_length` 64; one row's prompt leaves it 6 tokens of context, the others plenty. vLLM refuses a
+    request whose one `max_tokens` does not fit every prompt (before: HTTP 400, the run stopped, in both loops). Now,
+    through TRL's `_generate` in both loops, every row gets the budget that fits it: the long row is cut at the
+    context limit and ends truncated (no EOS), the short rows finish as they would alone."""
+    limit, room = 128, 6
+    server = VLLMServer(model_path(), max_model_len=limit)
+    try:
+        args = engine_config(
+            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url, max_completion_length=64
+        )
+        original = VLLMClient.init_communicator
+        VLLMClient.init_communicator = lambda self, device=None: None  # NCCL needs CUDA; no weight sync here
+        try:
+            trainer = ReToolTrainer(
+                model_path(),
+                args=args,
+                train_dataset=quickstart_dataset(16),
+                processing_class=tokenizer,
+                sandbox=sandbox,
+            )
+        finally:
+            VLLMClient.init_communicator = original
+        trainer.vllm_generation.temperature = 0.0
+        trainer._last_loaded_step = trainer.state.global_step
+        trainer.model.train()
+        texts = list(quickstart_dataset(4, seed=3)["prompt"])
+        short = len(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+        assert short + 64 <= limit  # the short rows fit with their whole budget
+        filler = limit - room - len(tokenizer(texts[3], add_special_tokens=False)["input_ids"])
+        texts[3] = " " * filler + texts[3]
+        for mode in ("barrier", "async"):
+            trainer.args.rollout_mode = mode
+            prompt_ids, completion_ids, *_ = trainer._generate(texts)
+            assert len(prompt_ids[3]) == limit - room, mode
+            assert len(completion_ids[3]) == room and completion_ids[3][-1] != tokenizer.eos_token_id, mode
+            for prompt, completion in zip(prompt_ids[:3], completion_ids[:3], strict=True):
+                assert len(prompt) + len(completion) <= limit and completion[-1] == tokenizer.eos_token_id, mode
+    finally:
+        server.stop()

@@ -68,9 +68,22 @@ def test_infra_failure_is_retried_once():
     assert "<interpreter>42\n</interpreter>" in TOKENIZER.decode(result.completion_ids[0])
 
 
+class FailsOneCell(FakeSandbox):
+    """Fails every run of `print(6*7)` for infrastructure reasons (retry included); runs the other cells."""
+
+    def run_many(self, pairs):
+        return [
+            ExecResult("SandboxError: worker lost", False, False, 0.0, infra_error=True)
+            if code == "print(6*7)"
+            else FakeSandbox.run_many(self, [(session, code)])[0]
+            for session, code in pairs
+        ]
+
+
 def test_persistent_infra_failure_is_dropped_and_never_scored_minus_one(tmp_path):
-    scripts = ["<code>print(6*7)</code>\\boxed{42}", "\\boxed{41}", "\\boxed{42}", "\\boxed{40}"]
-    trainer = trainer_for(tmp_path, scripts, sandbox=FlakySandbox(failures=2))
+    # Another row's call runs: a step in which *every* call failed stops training instead (test_no_silent_failure).
+    scripts = ["<code>print(6*7)</code>\\boxed{42}", "<code>print(1)</code>\\boxed{41}", "\\boxed{42}", "\\boxed{40}"]
+    trainer = trainer_for(tmp_path, scripts, sandbox=FailsOneCell())
     seen = record_rewards(trainer)
     inputs = trainer._generate_and_score_completions(batch())
     rewards = seen["rewards"][:, 0]

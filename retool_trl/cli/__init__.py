@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval", "pass@1 / avg@k, code ratio, calls per answer, mean length, with the interpreter."),
     "quickstart": ("quickstart", "The CPU quickstart: tiny model, synthetic arithmetic, plots and summary.json."),
     "plot": ("plot", "PNG of a run's training curves (or of a quickstart folder's two runs)."),
+    "sandbox-server": (
+        "sandbox_server",
+        "Serve jailed, stateful Python sessions over HTTP (SandboxFusion's /run_code too).",
+    ),
 }
 
 

@@ -83,6 +83,8 @@ INTERPRETER_FIELDS = (
     "sandbox_memory_mb",
     "sandbox_url",
     "sandbox_max_concurrency",
+    # The opt-in training has, so that the sandbox's refusal as root without bubblewrap names a fix that works here.
+    "sandbox_allow_root_without_isolation",
 )
 OUTPUT_FIELDS = ("output_dir", "trust_remote_code")
 _OVERRIDES = {"output_dir": ("eval_results", "Folder of the result files (NAME.json, NAME.md, NAME_samples.jsonl).")}
@@ -130,6 +132,43 @@ def parse_eval_args(argv: Sequence[str]):
     return eval_args, config
 
 
+def given_options(argv: Sequence[str]) -> set[str]:
+    """The options set on the command line (`--name value`, `--name=value`, dashes or underscores) or in the
+    `--config` file."""
+    names = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    if "config" in names:
+        import yaml
+
+        args = list(argv)
+        at = next(i for i, arg in enumerate(args) if arg.split("=", 1)[0] == "--config")
+        path = args[at].split("=", 1)[1] if "=" in args[at] else args[at + 1]
+        with open(path) as handle:  # already read (and checked) by the parser
+            names |= set(yaml.safe_load(handle) or {})
+    return names
+
+
+def take_trained_prompt_settings(model_path: str, eval_args, config, given: set[str]) -> dict:
+    """Builds prompts as the model was trained: the prompt settings a model saved by `ReToolTrainer` records
+    (`retool_prompt.json`: system prompt, tags, chat template arguments, prompt format) replace the defaults of the
+    options not given. Returns what was taken (and says so on one line)."""
+    from ..format.prompts import PROMPT_SETTINGS, read_prompt_settings
+
+    recorded = read_prompt_settings(model_path) if os.path.isdir(model_path) else {}
+    taken = {}
+    for name, value in recorded.items():
+        if name in given:
+            continue
+        if name == "prompt_format" and value in PROMPT_FORMAT_CHOICES:
+            taken[name] = eval_args.prompt_format = value
+        elif name != "prompt_format" and hasattr(config, name) and value != getattr(config, name):
+            taken[name] = value
+            setattr(config, name, value)
+    if taken:
+        shown = ", ".join(f"{k}={v!r}" if len(repr(v)) < 40 else f"{k}=(as trained)" for k, v in taken.items())
+        print(f"Prompt settings as in training ({os.path.join(model_path, PROMPT_SETTINGS)}): {shown}")
+    return taken
+
+
 def load_eval_model(path: str, dtype: str):
     """The model to evaluate, in eval mode on the GPU when there is one; a LoRA folder is merged into its base."""
     import torch
@@ -156,6 +195,7 @@ def main(argv: Sequence[str]) -> int:
     if eval_args.num_samples < 1 or eval_args.batch_size < 1:
         raise UserError("num_samples and batch_size must be >= 1.")
     model_path = resolve_model_path(eval_args.model, "model")
+    take_trained_prompt_settings(model_path, eval_args, config, given_options(argv))
     check_dataset_name(eval_args.dataset, "--dataset")  # typos fail here, before any hub call
     tokenizer = load_tokenizer(model_path, None, config.trust_remote_code, eval_args.chat_template_path)
     check_tokenizer(
@@ -170,7 +210,9 @@ def main(argv: Sequence[str]) -> int:
         eval_args.split,
         eval_args.dataset_config,
         prompt_format=data_prompt_format(eval_args.prompt_format, tokenizer),
-        system_prompt=config.resolved_system_prompt,
+        # The system prompt goes to conversations only (the evaluation adds it where a conversation has none); plain
+        # text stays as the data have it, as in training.
+        system_prompt=None,
         prompt_column=eval_args.prompt_column,
         answer_column=eval_args.answer_column,
         max_samples=eval_args.max_samples,

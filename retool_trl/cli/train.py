@@ -185,7 +185,9 @@ def build_train(argv: Sequence[str]):
             split,
             config_name,
             prompt_format=data_prompt_format(script_args.prompt_format, tokenizer),
-            system_prompt=training_args.resolved_system_prompt,
+            # The system prompt goes to conversations only: the trainer adds it where a conversation has none, and
+            # plain-text prompts stay as the data have them (as documented for `system_prompt`).
+            system_prompt=None,
             prompt_column=script_args.prompt_column,
             answer_column=script_args.answer_column,
             max_samples=max_samples,

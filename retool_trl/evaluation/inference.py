@@ -10,6 +10,7 @@ from ..format.parsing import with_system_prompt
 from ..rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
 from ..rollout.engines.transformers_generate import TransformersBackend
 from ..sandbox.factory import sandbox_from_config, with_cell_limits
+from ..training.sandbox_health import SandboxHealth
 
 
 def eos_token_ids_of(model, tokenizer) -> list[int]:
@@ -82,6 +83,9 @@ def generate_with_interpreter(
         args: A `ReToolConfig` (tags, limits, sampling settings, sandbox).
         sandbox: A sandbox to reuse; by default one is built from `args` and closed afterwards.
         batch_size: Sequences generated together.
+
+    Raises:
+        `SandboxUnavailableError`: The sandbox cannot run a trivial cell, or every call of a batch failed in it.
     """
     eos_token_ids = eos_token_ids_of(model, tokenizer)
     spec = RolloutSpec.from_config(args, eos_token_ids)
@@ -91,11 +95,15 @@ def generate_with_interpreter(
     prompt_ids = tokenize_prompts(tokenizer, prompts, args)
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else with_cell_limits(sandbox, args)
+    # A sandbox that cannot run code stops the evaluation (`SandboxUnavailableError`) rather than score every
+    # completion as if the model had not used the interpreter.
+    health = SandboxHealth("evaluation")
+    watched = health.watch(sandbox)
+    parts = []
     try:
-        parts = [
-            interleaved_rollout(prompt_ids[i : i + batch_size], backend, sandbox, tokenizer, spec)
-            for i in range(0, len(prompt_ids), batch_size)
-        ]
+        for i in range(0, len(prompt_ids), batch_size):
+            with health.step(watched, spec.max_tool_calls > 0):
+                parts.append(interleaved_rollout(prompt_ids[i : i + batch_size], backend, watched, tokenizer, spec))
     finally:
         if own_sandbox:
             sandbox.close()

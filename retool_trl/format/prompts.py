@@ -73,4 +73,52 @@ def add_system_prompt(prompt, system_prompt: str | None):
     return add_system_message(list(prompt), system_prompt)
 
 
-__all__ = ["SYSTEM_PROMPTS", "Tags", "add_system_message", "add_system_prompt", "resolve_system_prompt"]
+# Written next to a model saved by `ReToolTrainer`: how its prompts were built, so that `retool-trl eval` of that
+# model builds them the same way without being told.
+PROMPT_SETTINGS = "retool_prompt.json"
+PROMPT_SETTING_FIELDS = ("system_prompt", "chat_template_kwargs", *Tags.__dataclass_fields__)
+
+
+def write_prompt_settings(folder, args, dataset=None) -> None:
+    """Writes `folder/retool_prompt.json`: the prompt settings of `args` (a `ReToolConfig`) and the prompt format of
+    the training data (`conversational` or `plain`, from its first row; absent when it cannot be read ahead)."""
+    import json
+    from pathlib import Path
+
+    settings = {name: getattr(args, name, None) for name in PROMPT_SETTING_FIELDS}
+    try:
+        first = dataset[0]["prompt"] if dataset is not None and len(dataset) else None
+    except (TypeError, KeyError, IndexError):  # an IterableDataset, or no `prompt` column
+        first = None
+    if first is not None:
+        settings["prompt_format"] = "plain" if isinstance(first, str) else "conversational"
+    path = Path(folder) / PROMPT_SETTINGS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+
+
+def read_prompt_settings(folder) -> dict:
+    """The prompt settings a model folder records (`write_prompt_settings`), `{}` when it records none."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / PROMPT_SETTINGS
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+__all__ = [
+    "PROMPT_SETTINGS",
+    "SYSTEM_PROMPTS",
+    "Tags",
+    "add_system_message",
+    "add_system_prompt",
+    "read_prompt_settings",
+    "resolve_system_prompt",
+    "write_prompt_settings",
+]

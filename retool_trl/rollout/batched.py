@@ -36,7 +36,12 @@ ROLLOUT_FIELDS = (
 
 @dataclass
 class RolloutSpec:
-    """Limits and format of a rollout (built from `ReToolConfig` by `RolloutSpec.from_config`)."""
+    """Limits and format of a rollout (built from `ReToolConfig` by `RolloutSpec.from_config`).
+
+    `max_model_len` is the engine's context limit (prompt + completion tokens), when there is one: a turn never asks
+    for more tokens than the context has room for, and a completion that fills the context ends truncated, as one
+    that reaches `max_completion_length` does.
+    """
 
     max_completion_length: int
     eos_token_ids: Sequence[int]
@@ -44,9 +49,10 @@ class RolloutSpec:
     max_tool_calls: int = 8
     max_interpreter_output_chars: int = 1024
     interpreter_truncation: str = "middle"
+    max_model_len: int | None = None
 
     @classmethod
-    def from_config(cls, args, eos_token_ids: Sequence[int]) -> RolloutSpec:
+    def from_config(cls, args, eos_token_ids: Sequence[int], max_model_len: int | None = None) -> RolloutSpec:
         return cls(
             max_completion_length=args.max_completion_length,
             eos_token_ids=list(eos_token_ids),
@@ -54,6 +60,7 @@ class RolloutSpec:
             max_tool_calls=args.max_tool_calls,
             max_interpreter_output_chars=args.max_interpreter_output_chars,
             interpreter_truncation=args.interpreter_truncation,
+            max_model_len=max_model_len,
         )
 
 
@@ -116,6 +123,14 @@ class _Row:
     def calls(self) -> int:
         return len(self.cells)
 
+    def budget(self, spec: RolloutSpec) -> int:
+        """Tokens this completion may still take: what is left of `max_completion_length`, and of the engine's
+        context (`max_model_len`), whichever is less."""
+        room = spec.max_completion_length - len(self.completion_ids)
+        if spec.max_model_len:
+            room = min(room, spec.max_model_len - len(self.prompt_ids) - len(self.completion_ids))
+        return room
+
     def append(self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None) -> None:
         self.completion_ids.extend(ids)
         self.mask.extend([mask_value] * len(ids))
@@ -128,7 +143,8 @@ class _Row:
         self.append(out.token_ids, 1, out.logprobs)
         code = extract_code(text, spec.tags)
         ended = not out.token_ids or out.token_ids[-1] in eos or out.finished
-        truncated = not ended and len(self.completion_ids) >= spec.max_completion_length
+        # Out of budget or out of context: cut at the limit, the completion ends truncated (not a void turn).
+        truncated = not ended and self.budget(spec) <= 0
         if not truncated:  # a finished turn: void if it has neither code nor an answer
             self.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
         if ended or truncated:
@@ -144,7 +160,7 @@ class _Row:
         self.errors += not result.ok
         self.timeouts += bool(result.timed_out)
         self.infra_errors += result.infra_error
-        room = spec.max_completion_length - len(self.completion_ids)
+        room = self.budget(spec)
         self.append(block_ids[:room], 0, None)
         # Out of budget inside (or right after) the interpreter block: the completion ends truncated.
         self.done = len(block_ids) >= room
@@ -173,13 +189,15 @@ def interleaved_rollout(
     turn_calls = 0
     reserve_sessions(sandbox, len(rows), spec)
     try:
-        active = list(range(len(rows)))
+        for row in rows:  # a prompt that fills the context leaves nothing to generate
+            row.done = row.budget(spec) <= 0
+        active = [i for i, row in enumerate(rows) if not row.done]
         # Backends whose calls are collective across processes (vLLM server mode) keep every process in the loop.
         any_active = getattr(backend, "any_active", bool)
         while any_active(bool(active)):
             outputs = backend.generate_turn(
                 [rows[i].prompt_ids + rows[i].completion_ids for i in active],
-                [spec.max_completion_length - len(rows[i].completion_ids) for i in active],
+                [rows[i].budget(spec) for i in active],
                 [rows[i].calls < spec.max_tool_calls for i in active],
             )
             turn_calls += 1

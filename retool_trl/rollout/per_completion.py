@@ -95,8 +95,9 @@ async def _run_all(
 
     async def complete(row: _Row) -> None:
         async with limit:
+            row.done = row.done or row.budget(spec) <= 0  # a prompt that fills the context: nothing to generate
             while not row.done:
-                budget = spec.max_completion_length - len(row.completion_ids)
+                budget = row.budget(spec)
                 engine_calls[0] += 1  # one turn of one completion
                 try:
                     out = await engine.generate(

@@ -31,6 +31,12 @@ def user_stops(generation_kwargs: dict | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def user_stop_ids(generation_kwargs: dict | None) -> frozenset[int]:
+    """The stop token ids the user asked for in `generation_kwargs["stop_token_ids"]`: like EOS, they end the
+    completion (vLLM stops the turn there; the rollout must not ask for another)."""
+    return frozenset(int(i) for i in (generation_kwargs or {}).get("stop_token_ids") or [])
+
+
 def turn_stops(code_end: str, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
     """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the code-end
     tag while the completion may still call code."""
@@ -45,6 +51,7 @@ def finish_turn(
     stops: Sequence[str],
     stop_at_code_end: bool,
     max_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> TurnOutput:
     """The turn as the rollout takes it, from an engine's reply (asked with `turn_stops(...)` and the stop strings
     kept in the output).
@@ -71,7 +78,18 @@ def finish_turn(
             end, finished = cut, True
     if end is not None:
         ids = ids[:end]
-    return TurnOutput(ids, [float(lp) for lp in logprobs[: len(ids)]] if logprobs is not None else None, finished)
+    for k, token in enumerate(ids):  # a stop token id (kept, as vLLM returns it) ends the completion
+        if token in stop_ids:
+            ids, finished = ids[: k + 1], True
+            break
+    kept = [_logprob(lp) for lp in logprobs[: len(ids)]] if logprobs is not None else None
+    return TurnOutput(ids, kept, finished)
+
+
+def _logprob(value) -> float:
+    # TRL's client turns a NaN log-prob into `None` (JSON has no NaN); its trainer reads `None` as NaN and keeps such
+    # tokens out of the importance-sampling correction. The same here: NaN, never an exception mid-rollout.
+    return float("nan") if value is None else float(value)
 
 
 __all__ = [
@@ -80,5 +98,6 @@ __all__ = [
     "EngineTimeoutError",
     "finish_turn",
     "turn_stops",
+    "user_stop_ids",
     "user_stops",
 ]

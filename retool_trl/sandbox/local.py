@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from .base import ExecResult, SessionBase, check_pairs, refusal
 from .batch import Batch, InFlight
-from .cgroups import SandboxCgroups, default_memory_mb
+from .cgroups import SandboxCgroups
 from .channel import SessionProcess
 from .isolation import (
     ISOLATION_MODES,
@@ -28,6 +28,7 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
+from .node import node_share_cpus, node_share_memory_mb
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
@@ -116,7 +117,9 @@ class LocalSandbox(CallResults):
     `isolation_report()` says which protections are in force on this machine.
 
     Args:
-        num_workers (`int`, *optional*): Cells allowed to compute at once (default: `os.cpu_count()`).
+        num_workers (`int`, *optional*):
+            Cells allowed to compute at once. Default: the CPUs this process may use (affinity mask, cgroup CPU
+            quota), divided among the ranks a launcher started on this node (`LOCAL_WORLD_SIZE`), at least 1.
         timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start.
         memory_mb (`int`, defaults to `1024`):
             Address-space limit of each process of a session and, where a memory cgroup is writable, the memory bound
@@ -142,7 +145,8 @@ class LocalSandbox(CallResults):
         total_memory_mb (`int`, *optional*):
             Memory bound of all sessions together (their common cgroup, where the machine has one): the sandbox's
             jails are killed before the trainer runs out of memory. Default: half of what this machine (or the
-            container it runs in) allows. An OOM kill that is not a session's own limit is an `infra_error`.
+            container it runs in) allows, divided among the ranks on this node (`LOCAL_WORLD_SIZE`). An OOM kill
+            that is not a session's own limit is an `infra_error`.
 
     Example:
         ```python
@@ -178,7 +182,8 @@ class LocalSandbox(CallResults):
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.num_workers = max(1, num_workers or os.cpu_count() or 1)
+        # Defaults are this rank's share of the node (`node.py`): 8 ranks together claim the node once, not 8 times.
+        self.num_workers = max(1, num_workers or node_share_cpus())
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.cpu_time_s = float(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
@@ -194,7 +199,7 @@ class LocalSandbox(CallResults):
         self.max_files = int(max_files)
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
-        self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else default_memory_mb()
+        self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else node_share_memory_mb()
         self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
         self._cgroups: SandboxCgroups | None = None
         # Jails handed out by the zygote, not yet given a session.

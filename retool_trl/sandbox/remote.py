@@ -1,11 +1,13 @@
-"""`RemoteSandbox`: sessions on a SandboxFusion-compatible HTTP service (`POST {url}/run_code`).
+"""`RemoteSandbox`: sessions on a SandboxFusion-compatible HTTP service (`POST {url}/run_code`), or on our own
+sandbox server's stateful sessions when it offers them (`server/client.py`: the cells run in the session's jail
+there, nothing is replayed). Several servers: each session is pinned to one for its life, by a hash of its id.
 
-The service is stateless (every request is a fresh interpreter), so a session replays its earlier *successful* cells,
-with their output suppressed, before the new one. Cells that failed are not replayed: what the model saw as an error
-leaves no state behind, like a notebook whose failed cell was deleted. The program sent (`remote_driver.py`) runs the
-new cell as the local sandbox does, with the same limits, and reports one bounded JSON line: the model sees the same
-text, `ok` and `timed_out` from both backends (tests/test_sandbox_remote.py holds them to it, against a fake service
-that behaves like SandboxFusion where it matters).
+A plain SandboxFusion service is stateless (every request is a fresh interpreter), so a session replays its earlier
+*successful* cells, with their output suppressed, before the new one. Cells that failed are not replayed: what the
+model saw as an error leaves no state behind, like a notebook whose failed cell was deleted. The program sent
+(`remote_driver.py`) runs the new cell as the local sandbox does, with the same limits, and reports one bounded JSON
+line: the model sees the same text, `ok` and `timed_out` from both backends (tests/test_sandbox_remote.py holds them to
+it, against a fake service that behaves like SandboxFusion where it matters).
 
 Why not the official `sandbox-fusion` client (0.3.7, read from its source): each call is a bare `requests.post` (a
 new connection, no custom headers, so no authentication, no connection limit) or a new `aiohttp` session; it retries
@@ -19,16 +21,21 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import signal
 import threading
 import time
+import uuid
 import weakref
+import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal, truncate_output
 from .remote_driver import build_driver
 from .results import signal_death_line
+from .server.client import ServiceFailure as _ServiceFailure
+from .server.client import close_remote, offers_sessions, run_remote
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
 
@@ -38,10 +45,6 @@ _MAX_WAIT_S = 30.0
 
 # The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
 _sleep = time.sleep
-
-
-class _ServiceFailure(Exception):
-    """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's."""
 
 
 class _Retryable(Exception):
@@ -70,23 +73,36 @@ def _retry_after(value: str | None) -> float | None:
 class RemoteSession(SessionBase):
     """A session on a `RemoteSandbox`: keeps the cells that succeeded and replays them before each new one."""
 
-    def __init__(self, sandbox: RemoteSandbox):
+    def __init__(self, sandbox: RemoteSandbox, server: str):
         super().__init__(sandbox)
+        self.id = uuid.uuid4().hex
+        self.server = server  # the base URL this session uses for its whole life
+        self._remote_id: str | None = None  # its id on a server that offers sessions, once opened there
         self._cells: list[str] = []
         self._numbers: list[int] = []  # the call number of each kept cell: tracebacks name cells as the local one does
         self._replay_s = 0.0  # time the kept cells took: the service's time limit leaves room to replay them
         self._lock = threading.Lock()  # one cell at a time per session, whatever the caller does
 
     def close(self) -> None:
-        """Forgets the session's cells. Idempotent."""
+        """Forgets the session's cells (or closes it on its server, in the background). Idempotent."""
         self._closed = True
         self._cells, self._numbers = [], []
+        remote_id, self._remote_id = self._remote_id, None
+        if remote_id is not None:
+            sandbox = self._sandbox
+            try:
+                sandbox._start()[1].submit(close_remote, sandbox, self.server, remote_id)
+            except RuntimeError:  # the sandbox is closed: the server closes the session after its idle time
+                pass
 
 
 class RemoteSandbox:
     """Stateful Python sessions on a SandboxFusion-compatible code execution service.
 
-    Each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout", "memory_limit_MB"}`)
+    On our sandbox server (`retool-trl sandbox-server`, whose `/health` says it offers sessions) a session is opened
+    there at its first cell and each cell runs in its jail: no replay, and a session that the server loses (it
+    went away, restarted or expired the session) ends with an `infra_error` result. On a plain SandboxFusion service
+    each cell is one `POST {url}/run_code` request (`{"code", "language": "python", "run_timeout", "memory_limit_MB"}`)
     carrying the session's earlier successful cells (replayed silently) and the new cell, which gets the limits of a
     `LocalSandbox` cell (wall-clock and CPU time counted from its own start, memory, file size, output). Requests run
     concurrently, at most `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError`
@@ -96,7 +112,8 @@ class RemoteSandbox:
     `ExecResult(ok=False, infra_error=True)`.
 
     Args:
-        url (`str`): Base URL of the service, e.g. `"http://sandbox:8080"`.
+        url (`str` or `list[str]`): Base URL of the service, e.g. `"http://sandbox:8080"`, or several (a list, or
+            one string with commas): each session uses the one its id hashes to, skipping those that failed lately.
         timeout_s (`float`, defaults to `5.0`): Wall-clock limit of one cell, counted from its start (the service's
             `run_timeout` adds room for the interpreter's start and the replay).
         memory_mb (`int`, defaults to `1024`): Address-space limit of the session's interpreter (sent to the service
@@ -112,11 +129,15 @@ class RemoteSandbox:
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
         language (`str`, defaults to `"python"`): The service's language name for Python.
         headers (`dict`, *optional*): Extra HTTP headers (e.g. authentication for the service).
+        token (`str`, *optional*): Sent as `Authorization: Bearer <token>` (the sandbox server's `--token`; default:
+            `$RETOOL_SANDBOX_TOKEN`).
+        sessions (`str`, defaults to `"auto"`): `"auto"` (the server's sessions when it offers them, else replay),
+            `"native"` (fail with a clear error where they are not offered) or `"replay"`.
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | list[str],
         timeout_s: float = 5.0,
         memory_mb: int = 1024,
         cpu_time_s: float | None = None,
@@ -129,12 +150,19 @@ class RemoteSandbox:
         show_last_expression: bool = True,
         language: str = "python",
         headers: dict[str, str] | None = None,
+        token: str | None = None,
+        sessions: str = "auto",
     ):
-        if not url:
-            raise ValueError("RemoteSandbox needs the service's url")
+        urls = url.split(",") if isinstance(url, str) else list(url or [])
+        self.urls = [u.strip().rstrip("/") for u in urls if u and u.strip()]
+        if not self.urls:
+            raise ValueError("RemoteSandbox needs the service's url (sandbox_url: one URL or a list)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.url = url.rstrip("/")
+        if sessions not in ("auto", "native", "replay"):
+            raise ValueError(f"sessions must be 'auto', 'native' or 'replay', got {sessions!r}")
+        self.sessions = sessions
+        self.url = self.urls[0]
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.cpu_time_s = float(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
@@ -147,6 +175,11 @@ class RemoteSandbox:
         self.show_last_expression = bool(show_last_expression)
         self.language = language
         self.headers = dict(headers or {})
+        token = token or os.environ.get("RETOOL_SANDBOX_TOKEN")
+        if token and "Authorization" not in self.headers:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self._native: dict[str, bool] = {}  # server -> offers sessions (known once it answered)
+        self._down_until: dict[str, float] = {}  # server -> when to try it again for new sessions
         self._client = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -202,7 +235,11 @@ class RemoteSandbox:
         """A new, empty session."""
         if self._closed:
             raise RuntimeError("RemoteSandbox is closed")
-        return RemoteSession(self)
+        session = RemoteSession(self, self.urls[0])
+        now = time.monotonic()
+        up = [u for u in self.urls if self._down_until.get(u, 0.0) <= now] or self.urls
+        session.server = up[zlib.crc32(session.id.encode()) % len(up)]
+        return session
 
     def run_many(self, pairs: Iterable[tuple[RemoteSession, str]]) -> list[ExecResult]:
         """Runs `(session, code)` pairs concurrently; results come back in input order (one session's in order)."""
@@ -225,10 +262,26 @@ class RemoteSandbox:
             future.result()
         return results  # type: ignore[return-value]
 
+    def _offers_sessions(self, server: str) -> bool:
+        """Whether `server` offers our sessions (asked once per server; `sessions="native"` insists)."""
+        if self.sessions == "replay":
+            return False
+        if server not in self._native:
+            offered = offers_sessions(self._start()[0], server)
+            if offered is not None:
+                self._native[server] = offered
+        offered = self._native.get(server, self.sessions == "native")
+        if self.sessions == "native" and server in self._native and not offered:
+            raise RuntimeError(f"{server} offers no sessions (not a retool-trl sandbox-server); use sessions='auto'")
+        return offered
+
     def _run_cell(self, session: RemoteSession, code: str) -> ExecResult:
         refused = refusal(session._closed, session._broken)
         if refused is not None:
             return refused
+        if session._remote_id is not None or (not session._cells and self._offers_sessions(session.server)):
+            session.calls += 1
+            return run_remote(self, session, code)
         session.calls += 1
         start = time.monotonic()
         # The program holds the cell to `timeout_s` itself; the service's limit also covers the interpreter's start
@@ -251,7 +304,7 @@ class RemoteSandbox:
             "memory_limit_MB": self.memory_mb,
         }
         try:
-            response = self._post(body, run_timeout)
+            response = self._post(body, run_timeout, session.server)
         except _ServiceFailure as exc:
             return ExecResult(
                 f"SandboxError: the code execution service failed: {exc}",
@@ -263,17 +316,22 @@ class RemoteSandbox:
         duration = time.monotonic() - start
         return self._result(session, code, response, duration)
 
-    def _post(self, body: dict, run_timeout: float) -> dict:
+    def _post(self, body: dict, run_timeout: float, server: str | None = None) -> dict:
         """POSTs with retries on failures of the service; returns the response JSON.
 
         Raises:
             `_ServiceFailure`: at once on an HTTP 4xx other than 429 (a bad request stays bad), or when the retries
                 run out, with the last problem and the number of attempts.
         """
+        timeout = self.request_timeout_s or run_timeout + 30.0
+        return self._request("POST", server or self.url, "/run_code", body, timeout, True)
+
+    def _request(self, method: str, server: str, path: str, body, timeout: float, resend: bool) -> dict:
+        """One call with retries; `resend=False` retries only what the server surely did not run (429, 503, a
+        connection never made). A server that cannot be reached gets no new sessions for a while."""
         import tenacity
 
         client, _ = self._start()
-        timeout = self.request_timeout_s or run_timeout + 30.0
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_Retryable),
             stop=tenacity.stop_after_attempt(self.retries + 1),
@@ -281,10 +339,15 @@ class RemoteSandbox:
             sleep=_sleep,
         )
         try:
-            return retrying(self._attempt, client, body, timeout)
+            return retrying(self._attempt, client, body, timeout, method, server + path, resend)
         except tenacity.RetryError as exc:
             last = exc.last_attempt
-            raise _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)") from None
+            failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
+        except _ServiceFailure as exc:
+            failure = exc
+        if failure.unreachable and len(self.urls) > 1:  # new sessions go elsewhere for a while
+            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
+        raise failure
 
     def _wait(self, retry_state) -> float:
         """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
@@ -294,14 +357,19 @@ class RemoteSandbox:
         asked = getattr(retry_state.outcome.exception(), "retry_after", None) or 0.0
         return min(max(backoff(retry_state), asked), _MAX_WAIT_S)
 
-    def _attempt(self, client, body: dict, timeout: float) -> dict:
-        """One request. Raises `_Retryable` on a failure of the service, `_ServiceFailure` on a client error."""
+    def _attempt(self, client, body, timeout: float, method: str, url: str, resend: bool) -> dict:
+        """One request. Raises `_Retryable` on a failure of the service, `_ServiceFailure` on a client error (and,
+        with `resend=False`, on a failure after which the request may have been served)."""
         import httpx
 
         try:
-            reply = client.post(f"{self.url}/run_code", json=body, timeout=timeout)
+            reply = client.request(method, url, json=body, timeout=timeout)
         except httpx.HTTPError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
+        if not resend and reply.status_code >= 500 and reply.status_code != 503:
+            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")
         if reply.status_code >= 500 or reply.status_code == 429:
             asked = _retry_after(reply.headers.get("Retry-After")) if reply.status_code in (429, 503) else None
             raise _Retryable(f"HTTP {reply.status_code}", asked)

@@ -16,7 +16,7 @@ import types
 import torch
 
 from ...format.parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
-from ..turns import finish_turn, turn_stops, user_stops
+from ..turns import finish_turn, turn_stops, user_stop_ids, user_stops
 from ..types import TurnOutput
 from .vllm_colocate import sleep_after_rollout, wake_for_rollout
 
@@ -38,14 +38,18 @@ class VLLMBackend:
         accelerator: For server mode with several training processes, whose `generate` calls are collective: every
             process then makes the same calls per turn, with the same number of sequences, until all are done.
         profiler: Factory of a context manager around each call (TRL's `profiling_context`).
+        max_model_len: The server's context limit (server mode): TRL's client sends one `max_tokens` for all prompts
+            of a call, which vLLM refuses whole (HTTP 400) when any prompt plus it passes the limit, so the prompts
+            that would not fit beside the others go in requests of their own.
     """
 
-    def __init__(self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None):
+    def __init__(self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None, max_model_len=None):
         self.vllm_generation = vllm_generation
         self.tokenizer = tokenizer
         self.code_end = code_end
         self.accelerator = accelerator
         self.profiler = profiler
+        self.max_model_len = max_model_len
         # TRL's helper gathers prompts across processes in server mode and across the tensor-parallel group in
         # colocate mode; both then need the same number of sequences and the same sampling settings everywhere.
         self.collective = (
@@ -77,6 +81,7 @@ class VLLMBackend:
             plan = {True: (int(agreed[0]), int(agreed[1])), False: (int(agreed[2]), int(agreed[3]))}
             counts = {True: every[:, 0].tolist(), False: every[:, 2].tolist()}  # real rows of each process
         stops = user_stops(self.vllm_generation.generation_kwargs)
+        stop_ids = user_stop_ids(self.vllm_generation.generation_kwargs)
         outputs: list[TurnOutput | None] = [None] * len(sequences)
         for stop in (True, False):
             total, max_tokens = plan[stop]
@@ -86,7 +91,7 @@ class VLLMBackend:
             # Padding rows (other processes have more sequences in this group) are dropped; in server mode they are
             # not even sent (see `_without_padding`).
             prompts = [list(sequences[i]) for i in rows] + [[self.tokenizer.eos_token_id]] * (total - len(rows))
-            with self._without_padding(counts[stop] if counts else None, total):
+            with self._server_requests(counts[stop] if counts else None, total):
                 completion_ids, logprobs = self._call(
                     prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
                 )
@@ -94,36 +99,43 @@ class VLLMBackend:
                 # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
                 lps = [lp[0] for lp in logprobs[k]] if logprobs is not None else None
                 outputs[i] = finish_turn(
-                    completion_ids[k], lps, self.tokenizer, self.code_end, stops, stop, max_new_tokens[i]
+                    completion_ids[k], lps, self.tokenizer, self.code_end, stops, stop, max_new_tokens[i], stop_ids
                 )
         return outputs
 
     @contextlib.contextmanager
-    def _without_padding(self, counts: list[int] | None, total: int):
-        """In server mode, the main process sends only the real rows of each process to the server.
+    def _server_requests(self, counts: list[int] | None, total: int):
+        """In server mode, the main process sends only real rows, each with a token budget that fits its context.
 
         TRL's helper gathers `total` prompts from every process and sends them in one request with one token budget
-        (the group's largest), so a padding row would make the shared server decode up to that budget for nothing.
-        Around the call, the main process's client sends only the real rows and answers the padding rows with an
-        empty completion, which their process drops; TRL's gathering, slicing and sampling settings stay as they are.
+        (the group's largest). A padding row (other processes have more rows) would make the shared server decode up
+        to that budget for nothing, and a row whose context leaves less room than that budget makes vLLM refuse the
+        whole request. Around the call, the main process's client sends only the real rows, split into requests
+        whose budget fits every prompt of each, and answers the padding rows with an empty completion, which their
+        process drops; TRL's gathering, slicing and sampling settings stay as they are.
         """
         client = getattr(self.vllm_generation, "vllm_client", None)
-        if counts is None or client is None or getattr(self.vllm_generation, "mode", None) != "server":
+        if client is None or getattr(self.vllm_generation, "mode", None) != "server":
             yield
             return
+        counts = counts if counts is not None else [total]
         real = [rank * total + k for rank, count in enumerate(counts) for k in range(int(count))]
         send, own = client.generate, vars(client).get("generate")
+        limit = self.max_model_len
 
-        def generate(prompts, **kwargs):
-            if len(real) == len(prompts):
-                return send(prompts=prompts, **kwargs)
-            reply = send(prompts=[prompts[j] for j in real], **kwargs)
+        def generate(prompts, max_tokens=16, **kwargs):
             full = {"prompt_ids": [list(p) for p in prompts]}
-            for key in ("completion_ids", "logprobs", "logprob_token_ids"):
-                if reply.get(key) is not None:
-                    full[key] = [[] for _ in prompts]
-                    for j, value in zip(real, reply[key], strict=True):
-                        full[key][j] = value
+            for part, budget in _fitting_requests([(j, len(prompts[j])) for j in real], max_tokens, limit):
+                sent = dict(kwargs)
+                if isinstance(sent.get("features"), list):  # per-prompt features travel with their prompts
+                    sent["features"] = [kwargs["features"][j] for j in part]
+                reply = send(prompts=[prompts[j] for j in part], max_tokens=budget, **sent)
+                for key in ("completion_ids", "logprobs", "logprob_token_ids"):
+                    if reply.get(key) is None:
+                        continue
+                    values = full.setdefault(key, [[] for _ in prompts])
+                    for j, value in zip(part, reply[key], strict=True):
+                        values[j] = value
             return full
 
         client.generate = generate
@@ -164,6 +176,21 @@ class VLLMBackend:
         if self._sleep_paused:
             sleep_after_rollout(self.vllm_generation)
             self._sleep_paused = False
+
+
+def _fitting_requests(rows: list[tuple[int, int]], max_tokens: int, limit: int | None):
+    """`(row indices, max_tokens)` of each request for `rows` (`(index, prompt length)`): every prompt gets the most
+    of `max_tokens` its context leaves (`limit - length`), and a request's one budget fits all its prompts."""
+    if not limit:
+        return [([j for j, _ in rows], max_tokens)] if rows else []
+    budgets = {j: max(1, min(max_tokens, limit - length)) for j, length in rows}
+    requests, left = [], sorted(budgets, key=lambda j: -budgets[j])
+    while left:
+        budget = budgets[left[0]]
+        part = [j for j in left if budgets[j] >= budget]
+        requests.append((sorted(part), budget))
+        left = [j for j in left if budgets[j] < budget]
+    return requests
 
 
 def use_reload_weights_on_cpu(vllm_generation) -> bool:

@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import uuid
 
-from ..turns import finish_turn, turn_stops, user_stops
+from ..turns import EngineError, EngineRequestError, finish_turn, turn_stops, user_stop_ids, user_stops
 from ..types import TurnOutput
 
 
@@ -47,6 +47,7 @@ class ColocateEngine:
         self.tokenizer = tokenizer
         self.code_end = code_end
         self.stops = user_stops(helper.generation_kwargs)
+        self.stop_ids = user_stop_ids(helper.generation_kwargs)
         self.requests = 0
         self._prefix = f"retool-{uuid.uuid4().hex[:8]}-"
         self._ids = itertools.count()
@@ -88,8 +89,15 @@ class ColocateEngine:
                 for output in engine.step():
                     if output.finished and output.request_id in self._waiting:
                         future, stop, max_tokens = self._waiting.pop(output.request_id)
-                        if not future.done():
+                        if future.done():
+                            continue
+                        if output.outputs[0].finish_reason == "abort":  # the engine gave the request up
+                            future.set_exception(
+                                EngineError("the colocated vLLM engine aborted the request: the turn did not finish")
+                            )
+                        else:
                             future.set_result((output.outputs[0], stop, max_tokens))
+                self._fail_dropped(engine)
                 # Let the completions whose turn ended take it, run their snippets and add their next requests.
                 await asyncio.sleep(0)
         except Exception as exc:  # the engine itself failed: every turn in flight fails with it, loudly
@@ -97,6 +105,21 @@ class ColocateEngine:
                 if not future.done():
                     future.set_exception(exc)
             raise  # its requests are aborted on the way out (`__aexit__`)
+
+    def _fail_dropped(self, engine) -> None:
+        """Liveness: requests still awaited while the engine has none left were dropped by it (they will never finish);
+        their turns fail now instead of waiting forever. Requests are added on this thread, between steps, so an
+        engine without unfinished requests after a step has none of ours."""
+        if self._waiting and not engine.has_unfinished_requests():
+            dropped, self._waiting = self._waiting, {}
+            for future, _, _ in dropped.values():
+                if not future.done():
+                    future.set_exception(
+                        EngineError(
+                            "the colocated vLLM engine has no unfinished request left but "
+                            f"{len(dropped)} turn(s) were still waiting: the engine dropped them"
+                        )
+                    )
 
     # ------------------------------------------------------------------------------------------------------ turns
     def sampling_params(self, max_tokens: int, stop_at_code_end: bool):
@@ -131,10 +154,16 @@ class ColocateEngine:
         if self._driver.done():  # the engine failed under another turn: so does this one
             self._driver.result()
         request_id = f"{self._prefix}{next(self._ids)}"
-        params = self.sampling_params(max_tokens, stop_at_code_end)
         future = asyncio.get_running_loop().create_future()
         # Added from the loop's thread while the engine is between steps (the driver steps it on this thread).
-        self.helper.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(token_ids)}, params)
+        try:
+            params = self.sampling_params(max_tokens, stop_at_code_end)
+            self.helper.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(token_ids)}, params)
+        except ValueError as exc:  # vLLM's input checks (a context past max_model_len, a bad sampling setting)
+            raise EngineRequestError(
+                f"the colocated vLLM engine refused a request of {len(token_ids)} prompt tokens and max_tokens "
+                f"{max_tokens}: {' '.join(str(exc).split())[:500]}"
+            ) from exc
         self._waiting[request_id] = (future, stop_at_code_end, max_tokens)
         self.requests += 1
         self._added.set()
@@ -145,7 +174,9 @@ class ColocateEngine:
             logprobs = (
                 [s[t].logprob for t, s in zip(tokens, steps)] if len(steps) == len(tokens) else [0.0] * len(steps)
             )
-        return finish_turn(completion.token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop, budget)
+        return finish_turn(
+            completion.token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop, budget, self.stop_ids
+        )
 
 
 def wake_for_rollout(helper) -> bool:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..turns import EngineError, EngineRequestError, EngineTimeoutError, finish_turn, turn_stops, user_stops
+from ..turns import (
+    EngineError,
+    EngineRequestError,
+    EngineTimeoutError,
+    finish_turn,
+    turn_stops,
+    user_stop_ids,
+    user_stops,
+)
 from ..types import TurnOutput
 
 # Streamed chunks per sequence: the first token and the finished turn (vLLM sends both at once whatever the interval;
@@ -74,6 +82,10 @@ class CompletionsEngine:
         connect_timeout_s: Longest wait to connect to the server.
         max_connections: Requests in flight at once (the rollout bounds the sequences in flight itself).
         coalesce: Send the turns ready at once in one streamed request; `False` sends one plain request per turn.
+        max_model_len: The server's context limit (prompt + generated tokens), read from `/v1/models` when the model
+            name is asked from there. A request's `max_tokens` is one for all its prompts, and vLLM refuses the whole
+            request (HTTP 400) when any prompt plus that budget passes the limit: turns that would not fit beside the
+            others go in a request of their own.
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class CompletionsEngine:
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
         coalesce: bool = True,
+        max_model_len: int | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
@@ -95,6 +108,8 @@ class CompletionsEngine:
         self.sampling = dict(sampling or {})
         self.stops = user_stops(self.sampling)
         self.sampling.pop("stop", None)
+        self.stop_ids = user_stop_ids(self.sampling)
+        self.max_model_len = max_model_len
         self.model = model
         # No pool timeout: the rollout bounds the requests in flight itself, a request waits for a free connection.
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
@@ -117,7 +132,9 @@ class CompletionsEngine:
         transport = self._transport or httpx.AsyncHTTPTransport(retries=3, limits=limits)
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
         if self.model is None:
-            self.model = (await self._request("GET", "/v1/models"))["data"][0]["id"]
+            card = (await self._request("GET", "/v1/models"))["data"][0]
+            self.model = card["id"]
+            self.max_model_len = self.max_model_len or card.get("max_model_len")  # vLLM's model card has it
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -146,13 +163,15 @@ class CompletionsEngine:
         except ValueError as exc:
             raise EngineError(f"{method} {path}: the reply is not JSON: {exc}") from exc
 
-    @staticmethod
-    def _raise_for_status(method: str, path: str, status: int, text: str) -> None:
+    def _raise_for_status(self, method: str, path: str, status: int, text: str) -> None:
         if status in (408, 429) or status >= 500:
             raise EngineError(f"{method} {path}: HTTP {status}: {text}")
         # The request itself is wrong (context past max_model_len, an unknown field, a wrong model name): a
         # configuration error to fix, not a failure to drop quietly from the loss.
-        raise EngineRequestError(f"{method} {path}: HTTP {status}: {text}")
+        raise EngineRequestError(
+            f"the vLLM server at {self.base_url} refused {method} {path} (HTTP {status}): {_error_message(text)} "
+            "(check that the server serves the policy model with the settings of the run, e.g. its --max_model_len)"
+        )
 
     def request_fields(self, token_ids: list[int]) -> dict:
         """Extra request fields for one sequence (none here; a subclass can force or steer a sequence)."""
@@ -177,7 +196,7 @@ class CompletionsEngine:
         except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before Python 3.11
             raise EngineTimeoutError(f"the turn took longer than {self.timeout_s} s") from exc
         return finish_turn(
-            token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens
+            token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens, self.stop_ids
         )
 
     async def _send_ready(self) -> None:
@@ -189,12 +208,26 @@ class CompletionsEngine:
             for turn in ready:
                 groups[turn.group()].append(turn)
             opened = []
-            for turns in groups.values():
+            for turns in (part for group in groups.values() for part in self._fitting(group)):
                 opened.append(asyncio.get_running_loop().create_future())
                 task = asyncio.create_task(self._stream(turns, opened[-1]))
                 self._streams.add(task)
                 task.add_done_callback(self._streams.discard)
             await asyncio.wait(opened)
+
+    def _fitting(self, turns: list[_Turn]) -> list[list[_Turn]]:
+        """`turns` split into requests whose one `max_tokens` (their largest budget) fits every prompt's context
+        (vLLM checks prompt + `max_tokens` <= `max_model_len` for each prompt and refuses the whole request)."""
+        if not self.max_model_len:
+            return [turns]
+        parts, left = [], sorted(turns, key=lambda turn: turn.max_tokens, reverse=True)
+        while left:
+            budget = left[0].max_tokens
+            fits = [turn for turn in left if len(turn.prompt) + budget <= self.max_model_len]
+            part = fits if left[0] in fits else [left[0]]  # one that fits nowhere is sent alone: the server says why
+            parts.append(part)
+            left = [turn for turn in left if turn not in part]
+        return parts
 
     async def _stream(self, turns: list[_Turn], opened: asyncio.Future) -> None:
         """One streamed request for `turns`; each turn's future resolves when its choice finishes."""
@@ -299,9 +332,30 @@ class CompletionsEngine:
         self.requests += 1
         choice = (await self._request("POST", "/v1/completions", json=payload))["choices"][0]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if choice.get("finish_reason") == "abort":
+            raise EngineError("the server aborted the request (finish_reason 'abort'): the turn did not finish")
         return finish_turn(
-            choice["token_ids"], logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens
+            choice["token_ids"],
+            logprobs,
+            self.tokenizer,
+            self.code_end,
+            self.stops,
+            stop_at_code_end,
+            max_tokens,
+            self.stop_ids,
         )
+
+
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-style error reply (`{"error": {"message": ...}}` or `{"message": ...}`), on one
+    line; the raw text when it is not one."""
+    try:
+        body = json.loads(text)
+        error = body.get("error", body) if isinstance(body, dict) else body
+        message = error.get("message", text) if isinstance(error, dict) else text
+    except ValueError:
+        message = text
+    return " ".join(str(message).split())[:500]
 
 
 def _json(data: str | bytes) -> dict:
@@ -325,7 +379,11 @@ def _take(turns: list[_Turn], choice: dict, final: bool = False) -> None:
         turn.logprobs.extend(logprobs or [])
     else:
         turn.logprobs = None  # tokens without log-probs: none for the turn
-    if (final or choice.get("finish_reason") is not None) and not turn.future.done():
+    reason = choice.get("finish_reason")
+    if reason == "abort" and not turn.future.done():
+        # vLLM aborts a request it cannot finish (engine failure, a reset under it): the turn did not end.
+        turn.future.set_exception(EngineError("the server aborted this sequence's request (finish_reason 'abort')"))
+    elif (final or reason is not None) and not turn.future.done():
         turn.future.set_result((turn.token_ids, turn.logprobs))
 
 
@@ -345,7 +403,9 @@ def sampling_from_vllm(vllm_generation) -> dict:
     return sampling
 
 
-def server_engine_from_config(args, tokenizer, vllm_generation, base_url: str) -> CompletionsEngine:
+def server_engine_from_config(
+    args, tokenizer, vllm_generation, base_url: str, max_model_len: int | None = None
+) -> CompletionsEngine:
     """The trainer's server-mode engine: TRL's sampling settings, the request timeout of `ReToolConfig`
     (`vllm_request_timeout_s`, none by default: `vllm_server_timeout` is how long to wait for the server to start,
     not for a turn)."""
@@ -356,6 +416,7 @@ def server_engine_from_config(args, tokenizer, vllm_generation, base_url: str) -
         sampling=sampling_from_vllm(vllm_generation),
         timeout_s=args.vllm_request_timeout_s,
         max_connections=args.rollout_concurrency,
+        max_model_len=max_model_len,
     )
 
 

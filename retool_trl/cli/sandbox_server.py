@@ -1,0 +1,88 @@
+"""`retool-trl sandbox-server`: serves this machine's `LocalSandbox` jails over HTTP (SandboxFusion's `/run_code`
+plus stateful sessions), one server per CPU node; trainers point `sandbox_url` (verl and SkyRL their SandboxFusion
+URL) at it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+from ..errors import UserError, one_line
+from .common import PROG
+from .parser import OneLineParser
+
+logger = logging.getLogger("retool_trl")
+
+
+def _parser() -> OneLineParser:
+    from ..sandbox.server.config import ServerConfig
+
+    parser = OneLineParser(
+        prog=f"{PROG} sandbox-server",
+        description="Serve jailed, stateful Python sessions over HTTP: SandboxFusion's POST /run_code, our "
+        "/sessions, /health and /metrics. Ctrl-C or SIGTERM lets running calls finish (up to --grace-s), then "
+        "kills every jail.",
+    )
+    defaults = ServerConfig()
+    parser.add_argument("--host", default=defaults.host, help="Address to listen on (0.0.0.0 in a container).")
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("RETOOL_SANDBOX_TOKEN"),
+        help="Bearer token every call but /health must carry (default: $RETOOL_SANDBOX_TOKEN; none: no check).",
+    )
+    for field in dataclasses.fields(ServerConfig):
+        if field.name in ("host", "port", "token"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in ("bool",):
+            parser.add_argument(flag, action="store_true", help=f"(default: {field.default})")
+            continue
+        kind = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}[field.type]
+        parser.add_argument(flag, type=kind, default=field.default, help=f"(default: {field.default})")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """`retool-trl sandbox-server --host H --port P [--token T] [...]`."""
+    args = _parser().parse_args(list(argv))
+    try:
+        import uvicorn
+
+        from ..sandbox.server import ServerConfig, create_app
+    except ImportError as error:
+        raise UserError(
+            f"{one_line(error)}: install the server's dependencies: pip install 'retool-trl[server]'"
+        ) from None
+    try:
+        config = ServerConfig(**vars(args))
+    except ValueError as error:
+        raise UserError(one_line(error)) from None
+    from ..sandbox.server.table import SessionTable
+    from ..sandbox.zygote import SandboxStartError, UnsafeSandboxError
+
+    table = SessionTable(config)
+    # The isolation is reported before the port opens, so that a log shows it even if the server never serves.
+    try:
+        report = table.isolation_report()
+    except (UnsafeSandboxError, SandboxStartError) as error:
+        table.close()
+        raise UserError(f"the sandbox cannot start here: {one_line(error)}") from None
+    print(f"[retool-trl] sandbox isolation: {json.dumps(report)}", flush=True)
+    if report.get("missing"):
+        logger.warning("sandbox-server: protections missing here: %s", "; ".join(report["missing"]))
+    app = create_app(config, table)
+    print(f"[retool-trl] sandbox server on http://{config.host}:{config.port}", flush=True)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_graceful_shutdown=config.grace_s,
+        # Keep-alive connections of a trainer's pool stay open between rollout steps.
+        timeout_keep_alive=75,
+    )
+    return 0

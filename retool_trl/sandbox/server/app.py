@@ -1,0 +1,220 @@
+"""The sandbox server's HTTP routes (starlette): SandboxFusion's `/run_code`, our stateful `/sessions`, `/health`
+and `/metrics`; bearer-token check, 429 + `Retry-After` at the bound, idle expiry, and every jail killed at shutdown.
+
+Sessions API (what `RemoteSandbox` uses when `/health` says `"sessions": 1`):
+
+    POST   /sessions                 {"timeout_s"?, "memory_mb"?, "max_output_chars"?, "show_last_expression"?}
+                                     -> {"session_id", "limits"}
+    POST   /sessions/{id}/run        {"code": str} or {"cells": [str, ...]}
+                                     -> {"results": [{"output", "ok", "timed_out", "duration_s", "infra_error"}]}
+    DELETE /sessions/{id}            -> {"closed": true}
+
+An unknown session is a 404 (`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from . import fusion
+from .config import ServerConfig
+from .table import Full, SessionTable, UnknownSession
+
+__all__ = ["SESSIONS_API_VERSION", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+SESSIONS_API_VERSION = 1
+RETRY_AFTER_S = "1"  # a cell takes milliseconds to seconds: a second later, a slot is likely free
+
+
+def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starlette:
+    """The ASGI app serving `config` (`table` is built from it unless given)."""
+    table = table or SessionTable(config)
+    # Worker threads for blocking calls: one per running call at most (the bound is checked before, never queued).
+    limiter = anyio.CapacityLimiter(config.max_concurrency + 8)
+
+    def authorized(request: Request) -> bool:
+        if not config.token:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {config.token}".encode())
+
+    def refused(request: Request) -> JSONResponse | None:
+        if authorized(request):
+            return None
+        return JSONResponse(
+            {"error": "unauthorized", "detail": "missing or wrong bearer token"},
+            401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def busy(error: Full) -> JSONResponse:
+        return JSONResponse({"error": "busy", "detail": str(error)}, 429, headers={"Retry-After": RETRY_AFTER_S})
+
+    async def blocking(fn, *args):
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    async def body_of(request: Request):
+        try:
+            return await request.json()
+        except ValueError:
+            return None
+
+    async def run_code(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            req = fusion.parse_request(await body_of(request))
+            timeout, memory = config.clamp(req["run_timeout"], req["memory_limit_MB"])
+        except fusion.RequestError as error:
+            return JSONResponse({"detail": error.detail}, 422)
+        except ValueError as error:
+            return JSONResponse({"detail": [{"type": "value_error", "loc": ["body"], "msg": str(error)}]}, 422)
+        if req["language"] not in fusion.PYTHON:
+            return JSONResponse(fusion.unsupported(req["language"]))
+        if req["fetch_files"]:
+            return JSONResponse(fusion.reply("SandboxError", "fetch_files is not supported by this server", None))
+        try:
+            table.acquire()
+        except Full as error:
+            return busy(error)
+        try:
+            profile = await blocking(table.profile, timeout, memory, config.max_output_chars, False)
+            prelude = fusion.prelude(req)
+            result, before = await blocking(table.run_once, req["code"], profile, prelude)
+        finally:
+            table.release()
+        return JSONResponse(fusion.response(result, prelude_error=before))
+
+    async def open_session(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
+        body = await body_of(request)
+        body = body if isinstance(body, dict) else {}
+        try:
+            timeout, memory = config.clamp(body.get("timeout_s"), body.get("memory_mb"))
+            chars = int(body.get("max_output_chars") or 4096)
+            show = bool(body.get("show_last_expression", True))
+        except (TypeError, ValueError) as error:
+            return JSONResponse({"error": "bad_request", "detail": str(error)}, 400)
+        try:
+            profile = await blocking(table.profile, timeout, memory, chars, show)
+            session_id = table.open(profile)
+        except Full as error:
+            return busy(error)
+        return JSONResponse({"session_id": session_id, "limits": profile.limits()})
+
+    async def run_session(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
+        body = await body_of(request)
+        cells = body.get("cells") if isinstance(body, dict) else None
+        if isinstance(body, dict) and isinstance(body.get("code"), str):
+            cells = [body["code"]]
+        if not isinstance(cells, list) or not cells or not all(isinstance(c, str) for c in cells):
+            return JSONResponse({"error": "bad_request", "detail": 'send {"code": str} or {"cells": [str, ...]}'}, 400)
+        try:
+            table.acquire()
+        except Full as error:
+            table.touch(request.path_params["session_id"])  # its client is there, retrying: not idle
+            return busy(error)
+        try:
+            results = await blocking(table.run, request.path_params["session_id"], cells)
+        except UnknownSession:
+            return _unknown()
+        finally:
+            table.release()
+        return JSONResponse({"results": [dataclasses.asdict(r) for r in results]})
+
+    async def close_session(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            await blocking(table.close_session, request.path_params["session_id"])
+        except UnknownSession:
+            return _unknown()
+        return JSONResponse({"closed": True})
+
+    async def health(request: Request):
+        snap = table.snapshot()
+        body = {
+            "status": "draining" if table.closed else "ok",
+            "sessions": SESSIONS_API_VERSION,
+            "isolation": app.state.isolation.get("isolation"),
+            "missing": app.state.isolation.get("missing", []),
+            "live_sessions": snap["live_sessions"],
+            "running": snap["running"],
+            "max_concurrency": config.max_concurrency,
+        }
+        return JSONResponse(body, 503 if table.closed else 200)
+
+    async def metrics(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
+        return PlainTextResponse(_prometheus(table.snapshot(), config), media_type="text/plain; version=0.0.4")
+
+    async def expire_forever():
+        period = min(30.0, max(0.5, config.idle_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            await blocking(table.expire)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        app.state.isolation = await blocking(table.isolation_report)
+        expiry = asyncio.get_running_loop().create_task(expire_forever())
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            # uvicorn has let the running calls finish (or given up on them after `grace_s`): kill every jail.
+            await blocking(table.close)
+            logger.info("sandbox server stopped: every jail closed")
+
+    routes = [
+        Route("/run_code", run_code, methods=["POST"]),
+        Route("/sessions", open_session, methods=["POST"]),
+        Route("/sessions/{session_id}/run", run_session, methods=["POST"]),
+        Route("/sessions/{session_id}", close_session, methods=["DELETE"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.table = table
+    app.state.isolation = {}
+    return app
+
+
+def _unknown() -> JSONResponse:
+    detail = "no such session here (closed, expired after its idle time, or the server restarted)"
+    return JSONResponse({"error": "unknown_session", "detail": detail}, 404)
+
+
+def _prometheus(snap: dict, config: ServerConfig) -> str:
+    """The counters in Prometheus' text format (scraped as they are by any Prometheus-compatible agent)."""
+    lines = [
+        "# TYPE retool_sandbox_live_sessions gauge",
+        f"retool_sandbox_live_sessions {snap['live_sessions']}",
+        "# TYPE retool_sandbox_running_calls gauge",
+        f"retool_sandbox_running_calls {snap['running']}",
+        "# TYPE retool_sandbox_max_concurrency gauge",
+        f"retool_sandbox_max_concurrency {config.max_concurrency}",
+        "# TYPE retool_sandbox_limit_profiles gauge",
+        f"retool_sandbox_limit_profiles {snap['limit_profiles']}",
+        "# TYPE retool_sandbox_events_total counter",
+    ]
+    lines += [f'retool_sandbox_events_total{{event="{k}"}} {v}' for k, v in sorted(snap["counts"].items())]
+    lines.append("# TYPE retool_sandbox_cell_seconds_total counter")
+    lines += [f'retool_sandbox_cell_seconds_total{{api="{k}"}} {v:.6f}' for k, v in sorted(snap["seconds"].items())]
+    return "\n".join(lines) + "\n"

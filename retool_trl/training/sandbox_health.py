@@ -1,0 +1,196 @@
+"""Stops a run whose sandbox cannot run code, with the sandbox's own reason, instead of training or scoring on
+infrastructure errors.
+
+An infrastructure error (`ExecResult.infra_error`) is a call that failed for the sandbox's reasons, not the code's:
+the completion is left out of the loss (`drop_infra_failures`) and scored as nothing. That is right for a few calls
+(a session the kernel killed, one lost request), and wrong when the sandbox cannot run anything: the run would go on
+for hours learning from completions that never saw an interpreter, and an evaluation would report 0% as a result.
+So, around each rollout ([`SandboxHealth.step`]):
+
+- before the first rollout that may run code, one trivial cell is run; if the sandbox cannot run it (it refuses to
+  start, its zygote dies, the service is down), the run stops before generating anything;
+- a rollout in which *every* call the sandbox answered was an infrastructure error stops the run (the first retry
+  with a fresh session included); a rollout in which only some were goes on, with a warning naming the sandbox's
+  reason when more than half of its calls (retries included) failed. One rollout where every call failed is never
+  the model's doing and never a blip of one session: its calls are spread over many sessions, each retried once.
+
+Either stop is a [`SandboxUnavailableError`] (a `UserError`: the command line prints it as one line, exit status 2)
+whose message carries the sandbox's reason in full, with its fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from ..errors import UserError, one_line
+
+logger = logging.getLogger(__name__)
+
+# The cell run before the first rollout: it cannot fail on its own (and fits any `max_cell_chars`).
+PROBE_CODE = "1"
+
+
+class SandboxUnavailableError(UserError):
+    """The sandbox could not run code: it did not start, or every call of a rollout failed for its own reasons.
+
+    The message names what the sandbox reported (its refusal and fix, or the service's error), on one line."""
+
+
+class WatchedSandbox:
+    """A sandbox whose answers are counted by a [`SandboxHealth`]; everything else is the wrapped backend's."""
+
+    def __init__(self, sandbox, health: SandboxHealth):
+        self.sandbox = sandbox
+        self.health = health
+
+    def __getattr__(self, name):
+        if "sandbox" not in self.__dict__:  # copying or unpickling, before `sandbox` is set
+            raise AttributeError(name)
+        return getattr(self.__dict__["sandbox"], name)
+
+    def session(self):
+        return self.sandbox.session()
+
+    def reserve(self, n: int) -> None:
+        reserve = getattr(self.sandbox, "reserve", None)
+        if callable(reserve):
+            reserve(n)
+
+    def run_many(self, pairs):
+        pairs = list(pairs)
+        try:
+            results = list(self.sandbox.run_many(pairs))
+        except Exception as exc:
+            self.health.record(len(pairs), len(pairs), f"{type(exc).__name__}: {exc}")
+            raise
+        failed = [result.output for result in results if result.infra_error]
+        self.health.record(len(results), len(failed), failed[0] if failed else None)
+        return results
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SandboxHealth:
+    """Counts the calls a sandbox answers, rollout by rollout, and stops the run when it cannot run code.
+
+    Args:
+        what (`str`): What stops, for the message (`"training"`, `"evaluation"`).
+    """
+
+    def __init__(self, what: str = "training"):
+        self.what = what
+        self.probed = False
+        self._lock = threading.Lock()  # the async rollout runs cells from several threads
+        self._watched: WatchedSandbox | None = None
+        self._warned: set[str] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.calls, self.failed, self.reason = 0, 0, None
+
+    def watch(self, sandbox) -> WatchedSandbox:
+        """`sandbox` with its answers counted here (the same wrapper while the sandbox is the same)."""
+        if isinstance(sandbox, WatchedSandbox):
+            return sandbox
+        if self._watched is None or self._watched.sandbox is not sandbox:
+            self._watched = WatchedSandbox(sandbox, self)
+        return self._watched
+
+    def record(self, calls: int, failed: int, reason: str | None) -> None:
+        with self._lock:
+            self.calls += calls
+            self.failed += failed
+            if self.reason is None and reason:
+                self.reason = one_line(reason)
+
+    @contextlib.contextmanager
+    def step(self, sandbox, uses_code: bool = True, accelerator=None):
+        """Around one rollout that runs its cells in `sandbox` (as returned by [`watch`]).
+
+        Args:
+            sandbox: The sandbox of the rollout.
+            uses_code (`bool`): Whether the rollout may run code at all (`max_tool_calls > 0`); if not, nothing is
+                checked.
+            accelerator (*optional*): With several processes, every process stops when one of them must (a
+                collective call, made by every process at the same point), so that none waits for the others.
+
+        Raises:
+            `SandboxUnavailableError`: before the first rollout if the sandbox cannot run a trivial cell; after a
+                rollout in which every call was an infrastructure error.
+        """
+        if uses_code and not self.probed:
+            self.probed = True
+            problem = probe(sandbox.sandbox if isinstance(sandbox, WatchedSandbox) else sandbox)
+            url = getattr(sandbox, "url", None)  # a remote service: say which one to look at
+            if problem is not None and isinstance(url, str):
+                problem += f"; check that the code execution service at {url} is running and reachable"
+            _stop_if_any(
+                problem,
+                accelerator,
+                f"the sandbox cannot run code, so {self.what} stops before its first rollout",
+            )
+        with self._lock:
+            self._reset()
+        yield
+        with self._lock:
+            calls, failed, reason = self.calls, self.failed, self.reason
+        all_failed = uses_code and calls > 0 and failed == calls
+        _stop_if_any(
+            reason if all_failed else None,
+            accelerator,
+            f"all {calls} sandbox calls of a rollout (retries included) failed for the sandbox's own reasons "
+            f"(infrastructure errors, not the model's code), so {self.what} stops rather than go on without an "
+            "interpreter",
+        )
+        if 2 * failed > calls and reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(
+                "%d of %d sandbox calls of a rollout (retries included) failed for the sandbox's own reasons (their "
+                "completions are left out of the loss and the scores); "
+                "the sandbox said: %s",
+                failed,
+                calls,
+                reason,
+            )
+
+
+def probe(sandbox) -> str | None:
+    """Runs one trivial cell in a fresh session of `sandbox`: None when it ran, else the sandbox's reason."""
+    session = None
+    try:
+        session = sandbox.session()
+        [result] = sandbox.run_many([(session, PROBE_CODE)])
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises is the reason to report
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+    return (result.output or "an infrastructure error without a message") if result.infra_error else None
+
+
+def _stop_if_any(problem: str | None, accelerator, what: str) -> None:
+    """Raises `SandboxUnavailableError` on every process when `problem` is set on any of them."""
+    anywhere = problem is not None
+    if accelerator is not None and getattr(accelerator, "num_processes", 1) > 1:
+        import torch
+
+        flag = torch.tensor([anywhere], dtype=torch.int32, device=accelerator.device)
+        anywhere = bool(accelerator.gather(flag).any())
+    if not anywhere:
+        return
+    if problem is None:
+        problem = "another process's sandbox failed (its own message gives the reason)"
+    raise SandboxUnavailableError(f"{what}: {one_line(problem)}")
+
+
+__all__ = ["PROBE_CODE", "SandboxHealth", "SandboxUnavailableError", "WatchedSandbox", "probe"]
