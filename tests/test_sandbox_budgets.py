@@ -320,3 +320,31 @@ def test_files_parked_in_tmpfs_count_against_their_own_session(report):
         for r in killed:
             assert not r.infra_error and r.output.strip().splitlines()[-1].startswith("MemoryError"), r
         assert innocent.run("print(len(data) >> 20)").output == "150\n"
+
+
+def test_ranks_on_one_node_share_the_task_budget(report):
+    """`accelerate launch` starts 4 trainers in one container (`LOCAL_WORLD_SIZE=4`), each with its own sandbox:
+    together their sessions may start no more tasks than one sandbox alone would, so that the 4 of them cannot
+    exhaust the container's task limit either."""
+    if not report["pids_cgroup"]:
+        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+    script = """
+        import json
+        from pathlib import Path
+        from retool_trl.sandbox import LocalSandbox
+        from retool_trl.sandbox.cgroups import task_budget
+        left = task_budget()
+        with LocalSandbox(num_workers=1, spares=1) as sandbox:
+            sandbox.isolation_report()
+            root = dict(sandbox._cgroups.roots)["pids"]
+            written = int(Path(root, "pids.max").read_text())
+        print(json.dumps({"left": left, "written": written}))
+        """
+    alone = _run_trainer(script, pids_max=2000)
+    os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "4", "0"
+    try:
+        shared = _run_trainer(script, pids_max=2000)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
+    assert alone["written"] <= alone["left"] - 64, alone
+    assert 4 * shared["written"] <= alone["written"] + 8, (alone, shared)

@@ -88,11 +88,12 @@ def task_budget() -> int:
     return max(0, budget)
 
 
-def sandbox_task_limit(budget: int) -> int:
+def sandbox_task_limit(budget: int, ranks: int = 1) -> int:
     """The sandbox's share of the tasks left (`task_budget()`): a quarter, at least 64, stays with the trainer (its
     threads, data loaders, the zygote's forks of new jails), so sessions that each keep within their own process
-    cap cannot together exhaust a container's task limit."""
-    return max(1, budget - max(64, budget // 4))
+    cap cannot together exhaust a container's task limit; the rest is divided among the `ranks` trainers of the
+    node (`LOCAL_WORLD_SIZE`), each of which builds a sandbox of its own."""
+    return max(1, (budget - max(64, budget // 4)) // max(1, ranks))
 
 
 def _own_path(controller: str) -> str | None:
@@ -116,10 +117,11 @@ class SandboxCgroups:
         tag (`str`): The directory name, `retool-sandbox-<trainer pid>-<hex>`.
         memory_mb (`int`, *optional*): Memory bound of the whole sandbox (all its sessions together).
         cpu_weight (`int`, defaults to `1`): The sandbox's CPU weight against the trainer's threads, in threads.
+        ranks (`int`, defaults to `1`): Trainers on this node that share its task budget (`LOCAL_WORLD_SIZE`).
 
     `missing` says, for `isolation_report()`, which bound could not be set up and why."""
 
-    def __init__(self, tag: str, memory_mb: int | None = None, cpu_weight: int = 1):
+    def __init__(self, tag: str, memory_mb: int | None = None, cpu_weight: int = 1, ranks: int = 1):
         self.roots: list[tuple[str, str]] = []
         self.missing: list[str] = []
         self.v2_controllers: list[str] = []
@@ -137,7 +139,7 @@ class SandboxCgroups:
         if not self.roots:
             self._try_v2(tag)
         self._limit_whole(memory_mb, cpu_weight)
-        self.task_limit = self._limit_tasks()
+        self.task_limit = self._limit_tasks(ranks)
         kinds = self.kinds
         if not kinds & {"memory1", "memory"}:
             self.missing.append("memory cgroup (per-session memory is bounded per process only)")
@@ -169,9 +171,9 @@ class SandboxCgroups:
                     except OSError:
                         self.missing.append(f"{name} of the whole sandbox (could not be written)")
 
-    def _limit_tasks(self) -> int | None:
+    def _limit_tasks(self, ranks: int) -> int | None:
         """Bounds the tasks of all sessions together (`sandbox_task_limit`); the limit written, or None."""
-        limit = sandbox_task_limit(task_budget())
+        limit = sandbox_task_limit(task_budget(), ranks)
         for kind, root in self.roots:
             if kind == "pids" or (kind == "v2" and "pids" in self.v2_controllers):
                 try:

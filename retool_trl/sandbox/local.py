@@ -28,7 +28,7 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
-from .node import node_share_cpus, node_share_memory_mb
+from .node import local_ranks, node_share_cpus, node_share_memory_mb
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
@@ -257,7 +257,10 @@ class LocalSandbox(CallResults):
             if self._cgroups is None:
                 _raise_open_file_limit()
                 self._cgroups = SandboxCgroups(
-                    f"retool-sandbox-{os.getpid()}-{id(self):x}", self.total_memory_mb, cpu_weight=self.num_workers
+                    f"retool-sandbox-{os.getpid()}-{id(self):x}",
+                    self.total_memory_mb,
+                    cpu_weight=self.num_workers,
+                    ranks=local_ranks()[1],
                 )
             command, scratch_root = self._isolation_command()
             program, why_not = seccomp_program()
