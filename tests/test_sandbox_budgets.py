@@ -348,3 +348,20 @@ def test_ranks_on_one_node_share_the_task_budget(report):
         del os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
     assert alone["written"] <= alone["left"] - 64, alone
     assert 4 * shared["written"] <= alone["written"] + 8, (alone, shared)
+
+
+def test_a_session_filling_its_own_tmpfs_past_its_memory_bound_fails_alone(report):
+    """A cell writes more into its private `/dev/shm` than its own `memory_mb`: the files are charged to its own
+    memory cgroup, whose limit ends the session at once with its own `MemoryError` (not a hang until the time-out,
+    which is what a session cgroup that inherited the sandbox's disabled OOM killer would give), and a neighbour's
+    next call runs."""
+    if not (report["memory_cgroup"] and report["jail_per_session"]):
+        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (isolation in force here: {report})")
+    code = PARK_FILES.replace("range(12)", "range(20)")
+    with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=200, spares=1) as sandbox:
+        hog, neighbour = sandbox.session(), sandbox.session()
+        assert neighbour.run("x = 1").ok
+        result = hog.run(code)
+        assert not result.ok and not result.timed_out and not result.infra_error, result
+        assert result.output.strip().splitlines()[-1].startswith("MemoryError: memory limit of 200 MB"), result
+        assert neighbour.run("print(x + 1)").output == "2\n"

@@ -102,7 +102,9 @@ class _Zygote:
                 os.mkdir(path)
             made[kind] = path
             limits = {
-                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
+                # The session's own OOM killer on: a v1 cgroup inherits `oom_kill_disable` from its parent, which
+                # the sandbox's (see reaping.MemoryWatch) has set.
+                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20, "memory.oom_control": 0},
                 "pids": {"pids.max": self.config["max_processes"]},
                 # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
                 "cpu": {
