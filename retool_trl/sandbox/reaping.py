@@ -101,37 +101,58 @@ class MemoryWatch:
     """Keeps the sandbox-wide memory bound (cgroup v1) instead of the kernel's OOM killer, which would pick a victim by
     its processes' resident memory: files a session parks in its private `/tmp` or `/dev/shm` (a tmpfs) are charged
     to its cgroup but to no process, so the kernel would kill an innocent neighbour while the session holding the
-    memory lives. Here the OOM killer of the sandbox's own cgroup is off (`oom_kill_disable`): a task that needs
-    memory once the bound is reached waits, the kernel signals an eventfd, and the zygote kills the jail whose cgroup
-    holds the most (files included); that session's next call reports it as its own memory failure.
+    memory lives. The zygote kills the jail whose cgroup holds the most (files included), and that session's call
+    (or next call) reports it as its own memory failure, in two cases, each signalled by the kernel on an eventfd:
+    the sessions' memory that cannot be reclaimed (resident and tmpfs pages, not the page cache) passes a threshold
+    a little below the bound (so that a neighbour's own file writes and forks still find memory), or a task waits for
+    memory at the bound itself, where the OOM killer of the sandbox's own cgroup is off (`oom_kill_disable`).
 
-    Where a session's own bound is reached, its own cgroup's OOM killer still acts at once (it has no children)."""
+    A session's own bound is its own cgroup's, whose OOM killer stays on (see `_new_cgroups`)."""
 
     RECHECK_S = 0.05  # still full after a victim was reaped: the next one (the kernel signals once per wait)
+    WATCH_S = 0.1  # how often the sandbox's memory is looked at while its usage is past the threshold
 
     def __init__(self, cgroups):
-        self.fd = self.oom_fd = None
+        self.fd = self.oom_fd = self.usage_fd = None
         self.doomed = set()  # pids killed for memory, not yet reaped
         self.recheck_at = None
-        root = next((path for kind, path in cgroups if kind == "memory1"), None)
-        if root is None:
+        self.threshold = 1 << 62
+        self.root = next((path for kind, path in cgroups if kind == "memory1"), None)
+        if self.root is None:
             return
-        oom_control = os.path.join(root, "memory.oom_control")
+        oom_control = os.path.join(self.root, "memory.oom_control")
         try:
             self.oom_fd = os.open(oom_control, os.O_RDONLY | os.O_CLOEXEC)
+            self.usage_fd = os.open(os.path.join(self.root, "memory.usage_in_bytes"), os.O_RDONLY | os.O_CLOEXEC)
             self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-            with open(os.path.join(root, "cgroup.event_control"), "w") as f:
-                f.write(f"{self.fd} {self.oom_fd}")
+            with open(os.path.join(self.root, "memory.limit_in_bytes")) as f:
+                limit = int(f.read())
+            events = [f"{self.fd} {self.oom_fd}"]
+            if limit < 1 << 50:
+                self.threshold = limit - max(64 << 20, limit // 10)
+                events.append(f"{self.fd} {self.usage_fd} {self.threshold}")
+            for event in events:
+                with open(os.path.join(self.root, "cgroup.event_control"), "w") as f:
+                    f.write(event)
             with open(oom_control, "w") as f:
                 f.write("1")
-        except OSError:  # the kernel's OOM killer stays in charge
+        except (OSError, ValueError):  # the kernel's OOM killer stays in charge
             self.close()
 
     def close(self):
-        for fd in (self.fd, self.oom_fd):
+        for fd in (self.fd, self.oom_fd, self.usage_fd):
             if fd is not None:
                 os.close(fd)
-        self.fd = self.oom_fd = None
+        self.fd = self.oom_fd = self.usage_fd = None
+
+    def held(self):
+        """Bytes of the sandbox's memory that reclaim cannot free: resident pages and tmpfs files (`memory.stat`)."""
+        try:
+            with open(os.path.join(self.root, "memory.stat")) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+            return int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0))
+        except (OSError, ValueError):
+            return 0
 
     def full(self):
         """Whether a task of the sandbox is waiting for memory."""
@@ -142,15 +163,20 @@ class MemoryWatch:
         return "under_oom 1" in text
 
     def relieve(self, jails):
-        """Kills the jail holding the most memory while the sandbox is full (one at a time: its memory is freed
-        when it dies, and another kill may then not be needed)."""
+        """Kills the jail holding the most memory while the sandbox is full or past its threshold (one at a time:
+        its memory is freed when it dies, and another kill may then not be needed)."""
         try:
             os.read(self.fd, 8)
         except OSError:
             pass
         self.doomed &= set(jails)
         self.recheck_at = None
-        if not self.full():
+        if not self.full() and self.held() <= self.threshold:
+            try:  # past the threshold in all but page cache: watched until it is below (no crossing would tell)
+                if int(os.pread(self.usage_fd, 64, 0)) > self.threshold:
+                    self.recheck_at = time.monotonic() + self.WATCH_S
+            except (OSError, ValueError):
+                pass
             return
         self.recheck_at = time.monotonic() + self.RECHECK_S
         if self.doomed:
