@@ -310,6 +310,8 @@ class Batch:
         proc = session._proc
         if proc.idle_point is not None or proc.learn_idle_point(timeout_s=0.0) or proc.exited(grace_s=0.0):
             return False
+        if proc.setup_problem:  # it cannot be watched (the trainer is out of descriptors): `begin` reports it
+            return False
         return time.monotonic() - self.setup_since.get(session, time.monotonic()) < SETUP_WAIT_S
 
     def _take_back_set_up(self) -> None:
@@ -334,7 +336,10 @@ class Batch:
             self._finish(entry, self.sandbox.result_of_crash, 0.0, why)
             return
         if problem == "not set up":
-            crash = {"setup_failed": f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"}
+            crash = {
+                "setup_failed": proc.setup_problem
+                or f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"
+            }
             self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))
             return
         if problem:

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import platform
+import resource
 import select
 import signal
 import socket
@@ -38,6 +39,7 @@ STATUS_FLOOD = "status flood"
 _IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
 _IDLE_PC_SLACK = 256
 _FDS_LOCK = threading.Lock()  # opening a session's /proc and cgroup files, against closing them (see _proc_fd)
+_kept_files = [0]  # /proc and cgroup files kept open by all sessions (see `release_files`); a close estimate
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
@@ -72,6 +74,7 @@ class SessionProcess(JailSweep):
         "idle_point",
         "cgroups",
         "cpu_start",
+        "setup_problem",
         "__weakref__",
     )
 
@@ -82,7 +85,9 @@ class SessionProcess(JailSweep):
         os.set_blocking(self.status_r, False)
         try:
             self.pidfd: int | None = os.pidfd_open(host_pid)  # signals through it cannot hit a recycled pid
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # without it no signal would reach the process
+                raise
             self.pidfd = None
         self.proc_fds: dict[str, int] = {}  # /proc files kept open: a pread is 5x cheaper than an open
         self.socket_buffer, self.status_buffer = bytearray(), bytearray()
@@ -95,13 +100,14 @@ class SessionProcess(JailSweep):
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
         self.frozen = False  # parked in its frozen cgroup (see `settle`): thawed for the next call
         self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
+        self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
         """Reads the zygote's hello (sent before its reply to the spawn request, so already here)."""
         sock.settimeout(timeout_s)
         space = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * _HELLO_FDS)
-        data, ancdata, _, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
+        data, ancdata, flags, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
         fds, host_pid = [], None
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -113,11 +119,18 @@ class SessionProcess(JailSweep):
         if len(fds) != _HELLO_FDS or not hello or not hello[0].get("hello"):
             for fd in fds:
                 os.close(fd)
+            if flags & socket.MSG_CTRUNC:  # the kernel had no descriptor slot for the channels it carried
+                raise OSError(errno.EMFILE, "Too many open files (the session's channels could not be received)")
             raise ConnectionError("the sandbox zygote sent an invalid hello")
         if not hello[0].get("creds"):  # unprivileged: the zygote shares our pid namespace
             host_pid = int(hello[0]["pid"])
         sock.setblocking(False)
-        proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
+        try:
+            proc = cls(sock, int(hello[0]["pid"]), int(host_pid), fds)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         proc.socket_buffer = buffer
         cgroups = hello[0].get("cgroups")
         proc.cgroups = {str(k): str(v) for k, v in cgroups.items()} if isinstance(cgroups, dict) else {}
@@ -135,6 +148,14 @@ class SessionProcess(JailSweep):
         `setup_wait_s`) or "ran while parked" (it computed since its last call ended: see `ran_while_parked`)."""
         if self.closed:
             return "gone"
+        self.setup_problem = None
+        try:  # the files a call is watched through, opened now: a call must not wait on one it cannot open
+            for name in ("syscall", "stat"):
+                self._proc_fd(name)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self.setup_problem = f"the trainer is out of descriptors ({exc.strerror}): raise its open-file limit"
+                return "not set up"
         if not self.learn_idle_point(timeout_s=setup_wait_s):
             return "gone" if self.exited(grace_s=0.0) else "not set up"
         if self.ran_while_parked():
@@ -234,7 +255,9 @@ class SessionProcess(JailSweep):
         """(stack pointer, instruction pointer) of a `read` of fd 3 the process is blocked in, else None."""
         try:
             fields = os.pread(self._proc_fd("syscall"), 256, 0).split()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a jail still setting up: waiting would not help
+                self.setup_problem = f"the trainer is out of descriptors ({exc.strerror}): raise its open-file limit"
             return None
         # "nr arg0 ... arg5 sp pc" while in a system call ("running" or "-1 sp pc" otherwise)
         if len(fields) == 9 and fields[0] == _SYS_READ and int(fields[1], 16) == REQUEST_FD:
@@ -275,6 +298,8 @@ class SessionProcess(JailSweep):
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"
+        if _kept_files[0] > resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8:
+            self.release_files()
         return reply
 
     def ran_while_parked(self, slack_s: float = 0.05) -> bool:
@@ -286,6 +311,17 @@ class SessionProcess(JailSweep):
             return False
         now = self.sched_state()[1]
         return now is not None and now - self.parked_cpu > slack_s
+
+    def release_files(self) -> None:
+        """Closes the /proc and cgroup files kept open between calls (a pread is 5x cheaper than an open). Sessions
+        keep them while all sessions' kept files stay under an eighth of the open-file limit; past that a parked
+        session keeps only its channels and pidfd (5 descriptors instead of 9), so that hundreds of live sessions
+        fit a limit of 1,024, and its next call opens them again (about 30 microseconds)."""
+        with _FDS_LOCK:  # against another thread's batch opening one of them (see `_proc_fd`)
+            fds, self.proc_fds = list(self.proc_fds.values()), {}
+            _kept_files[0] -= len(fds)
+        for fd in fds:
+            os.close(fd)
 
     # ------------------------------------------------------------------------------------------------ limits
 
@@ -369,6 +405,7 @@ class SessionProcess(JailSweep):
                 path = name if name.startswith("/") else f"/proc/{self.host_pid}/{path}"  # a cgroup file
                 flags = os.O_RDWR if name.endswith(("freezer.state", "cgroup.freeze")) else os.O_RDONLY
                 fd = self.proc_fds[name] = os.open(path, flags | os.O_CLOEXEC)
+                _kept_files[0] += 1
         return fd
 
     def exited(self, grace_s: float = 0.05) -> bool:
@@ -407,6 +444,7 @@ class SessionProcess(JailSweep):
             pass
         with _FDS_LOCK:
             fds = [self.request_w, self.status_r, self.output, self.pidfd, *self.proc_fds.values()]
+            _kept_files[0] -= len(self.proc_fds)
             self.request_w = self.status_r = self.output = self.pidfd = None
             self.proc_fds = {}
         for fd in fds:

@@ -6,6 +6,7 @@ import base64
 import itertools
 import logging
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -27,11 +28,34 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
-from .node import node_share_cpus, node_share_memory_mb
+from .node import local_ranks, node_share_cpus, node_share_memory_mb
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
+
+
+def _raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to its hard limit, as servers do: a live session holds several
+    descriptors here (its socket, pipes, output, pidfd, /proc and cgroup files), and the soft limit most systems
+    start with (1,024) ends a batch of 128 first calls with "too many open files". Sessions keep their own limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):  # an infinite hard limit above the kernel's nr_open: take that instead
+            try:
+                with open("/proc/sys/fs/nr_open") as f:
+                    nr_open = int(f.read())
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nr_open, hard), hard))
+            except (OSError, ValueError):
+                pass
+
+
+def _hint(exc: Exception) -> str:
+    """The fix, where a session could not start because the trainer ran out of descriptors."""
+    return " (raise the trainer's open-file limit: ulimit -n)" if getattr(exc, "errno", None) in (24, 23) else ""
+
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +255,12 @@ class LocalSandbox(CallResults):
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
             if self._cgroups is None:
+                _raise_open_file_limit()
                 self._cgroups = SandboxCgroups(
-                    f"retool-sandbox-{os.getpid()}-{id(self):x}", self.total_memory_mb, cpu_weight=self.num_workers
+                    f"retool-sandbox-{os.getpid()}-{id(self):x}",
+                    self.total_memory_mb,
+                    cpu_weight=self.num_workers,
+                    ranks=local_ranks()[1],
                 )
             command, scratch_root = self._isolation_command()
             program, why_not = seccomp_program()
@@ -404,7 +432,15 @@ class LocalSandbox(CallResults):
     def _handed_out(self, zygote: _Zygote, count: int, extra: int = 0) -> list[SessionProcess | str]:
         """Asks the zygote for `count` jails in one round trip, and for up to `extra` more that it has ready (never
         forked for them: a fork on this path delays the caller): a `SessionProcess` per jail, or the error text."""
-        pairs = [socket.socketpair() for _ in range(count + extra)]
+        needed = count
+        pairs, short = [], None
+        try:
+            for _ in range(count + extra):
+                pairs.append(socket.socketpair())
+        except OSError as exc:  # out of descriptors: the calls left without a jail fail alone, nothing leaks
+            short = f"SandboxError: could not start a session process: {exc}{_hint(exc)}"
+            extra = max(0, len(pairs) - count)
+            count = min(count, len(pairs))
         for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         requests = [{"op": "spawn"}] * count + [{"op": "spawn", "ready_only": True}] * extra
@@ -421,8 +457,8 @@ class LocalSandbox(CallResults):
                 procs.append(SessionProcess.from_hello(ours))
             except (OSError, ConnectionError, ValueError) as exc:
                 ours.close()
-                procs.append(f"SandboxError: could not start a session process: {exc}")
-        return procs
+                procs.append(f"SandboxError: could not start a session process: {exc}{_hint(exc)}")
+        return procs[:count] + [short] * (needed - count) + procs[count:] if short else procs
 
     def _kill(self, session: LocalSession) -> None:
         """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;

@@ -7,6 +7,9 @@ import os
 import signal
 import socket
 import struct
+import time
+
+from cgroups import set_frozen  # a sibling script module, as in worker.py (stdlib only)
 
 HEADER = struct.Struct("!I")
 
@@ -101,6 +104,7 @@ class Jail:
         self.host = None  # the session's socket to the host, once handed out
         self.set_up = False
         self.closed = False
+        self.evicted = False  # killed by `MemoryWatch`: it held the most of the sandbox's full memory
 
     def hand_over(self, host):
         """The host now holds the request and status pipes: only it writes requests and reads statuses."""
@@ -121,6 +125,112 @@ class Jail:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+class MemoryWatch:
+    """Keeps the sandbox-wide memory bound (cgroup v1) instead of the kernel's OOM killer, which would pick a victim by
+    its processes' resident memory: files a session parks in its private `/tmp` or `/dev/shm` (a tmpfs) are charged
+    to its cgroup but to no process, so the kernel would kill an innocent neighbour while the session holding the
+    memory lives. The zygote kills the jail whose cgroup holds the most (files included), and that session's call
+    (or next call) reports it as its own memory failure, in two cases, each signalled by the kernel on an eventfd:
+    the sessions' memory that cannot be reclaimed (resident and tmpfs pages, not the page cache) passes a threshold
+    a little below the bound (so that a neighbour's own file writes and forks still find memory), or a task waits for
+    memory at the bound itself, where the OOM killer of the sandbox's own cgroup is off (`oom_kill_disable`).
+
+    A session's own bound is its own cgroup's, whose OOM killer stays on (see `_new_cgroups`)."""
+
+    RECHECK_S = 0.05  # still full after a victim was reaped: the next one (the kernel signals once per wait)
+    WATCH_S = 0.1  # how often the sandbox's memory is looked at while its usage is past the threshold
+
+    def __init__(self, cgroups):
+        self.fd = self.oom_fd = self.usage_fd = None
+        self.doomed = set()  # pids killed for memory, not yet reaped
+        self.recheck_at = None
+        self.threshold = 1 << 62
+        self.root = next((path for kind, path in cgroups if kind == "memory1"), None)
+        if self.root is None:
+            return
+        oom_control = os.path.join(self.root, "memory.oom_control")
+        try:
+            self.oom_fd = os.open(oom_control, os.O_RDONLY | os.O_CLOEXEC)
+            self.usage_fd = os.open(os.path.join(self.root, "memory.usage_in_bytes"), os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            with open(os.path.join(self.root, "memory.limit_in_bytes")) as f:
+                limit = int(f.read())
+            events = [f"{self.fd} {self.oom_fd}"]
+            if limit < 1 << 50:
+                self.threshold = limit - max(64 << 20, limit // 10)
+                events.append(f"{self.fd} {self.usage_fd} {self.threshold}")
+            for event in events:
+                with open(os.path.join(self.root, "cgroup.event_control"), "w") as f:
+                    f.write(event)
+            with open(oom_control, "w") as f:
+                f.write("1")
+        except (OSError, ValueError):  # the kernel's OOM killer stays in charge
+            self.close()
+
+    def close(self):
+        for fd in (self.fd, self.oom_fd, self.usage_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.oom_fd = self.usage_fd = None
+
+    def held(self):
+        """Bytes of the sandbox's memory that reclaim cannot free: resident pages and tmpfs files (`memory.stat`)."""
+        try:
+            with open(os.path.join(self.root, "memory.stat")) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+            return int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0))
+        except (OSError, ValueError):
+            return 0
+
+    def full(self):
+        """Whether a task of the sandbox is waiting for memory."""
+        try:
+            text = os.pread(self.oom_fd, 256, 0).decode()
+        except OSError:
+            return False
+        return "under_oom 1" in text
+
+    def relieve(self, jails):
+        """Kills the jail holding the most memory while the sandbox is full or past its threshold (one at a time:
+        its memory is freed when it dies, and another kill may then not be needed)."""
+        try:
+            os.read(self.fd, 8)
+        except OSError:
+            pass
+        self.doomed &= set(jails)
+        self.recheck_at = None
+        if not self.full() and self.held() <= self.threshold:
+            try:  # past the threshold in all but page cache: watched until it is below (no crossing would tell)
+                if int(os.pread(self.usage_fd, 64, 0)) > self.threshold:
+                    self.recheck_at = time.monotonic() + self.WATCH_S
+            except (OSError, ValueError):
+                pass
+            return
+        self.recheck_at = time.monotonic() + self.RECHECK_S
+        if self.doomed:
+            return
+        held = []
+        for pid, jail in jails.items():
+            path = jail.cgroup_kinds.get("memory1")
+            try:
+                with open(os.path.join(path, "memory.usage_in_bytes")) as f:
+                    held.append((int(f.read()), pid))
+            except (OSError, TypeError, ValueError):
+                continue
+        if not held:
+            return
+        pid = max(held)[1]
+        jails[pid].evicted = True
+        self.doomed.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: the jail goes, and its tmpfs with it
+        except OSError:
+            pass
+        # The host parks sessions frozen between calls, and the session holding the most is often a parked one: a
+        # frozen process dies only once thawed, and until then the task waiting for memory waits on.
+        set_frozen(jails[pid].cgroup_kinds, False)
 
 
 def recv_control(sock):

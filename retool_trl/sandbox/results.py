@@ -106,6 +106,11 @@ class CallResults:
             sig = int(crash["signal"])
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
+            elif sig == signal.SIGKILL and crash.get("evicted"):  # the sandbox's bound, reached mostly by this one
+                line = (
+                    "MemoryError: the sandbox's memory was full and this session held the most of it (files in "
+                    "its /tmp and /dev/shm count; the session was killed)"
+                )
             elif sig == signal.SIGKILL and crash.get("oom"):
                 line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
             elif sig == signal.SIGKILL and crash.get("own_limit"):

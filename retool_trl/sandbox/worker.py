@@ -31,7 +31,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cgroups import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
-from reaping import Jail, death_cause, own_limit_reached, recv_control, rmdir_quietly  # noqa: E402
+from reaping import Jail, MemoryWatch, death_cause, own_limit_reached, recv_control, rmdir_quietly  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
 
 del sys.path[0]
@@ -91,11 +91,11 @@ class _Zygote:
 
     # -------------------------------------------------------------------------------------------- forking jails
 
-    def _new_cgroups(self, name, warm):
-        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written. A
-        spare started ahead of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice`
-        would weigh nothing against the running cells); `spawn` gives it the full weight."""
-        made = {}
+    def _new_cgroups(self, name, warm, made):
+        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written, into
+        `made` (the caller's, so that it can remove what was made when a later step fails). A spare started ahead
+        of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice` would weigh nothing
+        against the running cells); `spawn` gives it the full weight."""
         period_us = 100_000
         for kind, root in self.config["cgroups"]:
             path = os.path.join(root, name)
@@ -103,7 +103,9 @@ class _Zygote:
                 os.mkdir(path)
             made[kind] = path
             limits = {
-                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20},
+                # The session's own OOM killer on: a v1 cgroup inherits `oom_kill_disable` from its parent, which
+                # the sandbox's (see reaping.MemoryWatch) has set.
+                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20, "memory.oom_control": 0},
                 "pids": {"pids.max": self.config["max_processes"]},
                 # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
                 "cpu": {
@@ -129,25 +131,42 @@ class _Zygote:
                         # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
         return made
 
+    def _remove_cgroups(self, cgroups):
+        """Removes the directories of a jail that never ran (empty, so at once; the graveyard retries otherwise)."""
+        for path in dict.fromkeys(cgroups.values()):
+            if not rmdir_quietly(path):
+                self.graveyard.append(path)
+
     def fork_jail(self, warm):
         self.serial += 1
         name = f"j{self.pid}-{self.serial}"
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
-        request_r, request_w = os.pipe2(os.O_CLOEXEC)
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)  # closed by the jail once set up, before any cell runs
-        output = os.memfd_create("output", os.MFD_CLOEXEC)
+        fds, cgroups = [], {}
         try:
-            cgroups = self._new_cgroups(name, warm)
-        except OSError:
-            cgroups = {}
-        if self.config["jail"]:
-            check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
-        try:
-            pid = os.fork()
-        finally:
-            if self.config["jail"] and os.getpid() == self.pid:
-                check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
+            # A fork refused (out of tasks or memory) must leave nothing behind: each failed attempt used to keep
+            # these seven descriptors and the cgroup directories, until the zygote could open no more.
+            for _ in range(3):  # request, status, and ready (closed by the jail once set up, before any cell runs)
+                fds.extend(os.pipe2(os.O_CLOEXEC))
+            fds.append(os.memfd_create("output", os.MFD_CLOEXEC))
+            try:
+                self._new_cgroups(name, warm, cgroups)
+            except OSError:
+                self._remove_cgroups(cgroups)
+                cgroups.clear()
+            if self.config["jail"]:
+                check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new one
+            try:
+                pid = os.fork()
+            finally:
+                if self.config["jail"] and os.getpid() == self.pid:
+                    check(libc.setns(self.own_pidns, CLONE_NEWPID), "setns(CLONE_NEWPID)")
+        except BaseException:
+            if os.getpid() == self.pid:
+                for fd in fds:
+                    os.close(fd)
+                self._remove_cgroups(cgroups)
+            raise
+        request_r, request_w, status_r, status_w, ready_r, ready_w, output = fds
         if pid == 0:
             try:
                 signal.set_wakeup_fd(-1)  # the zygote's: cells' signal handlers must not write to a closed fd
@@ -252,6 +271,8 @@ class _Zygote:
     def report_death(self, jail, status, own_limit=None):
         """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
         cause = death_cause(status, jail.cgroups, own_limit)
+        if jail.evicted:
+            cause.update(oom=True, evicted=True)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -351,6 +372,9 @@ class _Zygote:
         no_sigchld_on_stop()  # only deaths wake the zygote, not the per-call stop and resume of a session
         self.selector.register(self.control, selectors.EVENT_READ, ("control", None))
         self.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        memory = MemoryWatch(self.config["cgroups"])
+        if memory.fd is not None:
+            self.selector.register(memory.fd, selectors.EVENT_READ, ("memory", None))
         interfaces = [name for _, name in socket.if_nameindex()]
         _send(
             self.control,
@@ -370,7 +394,12 @@ class _Zygote:
                 timeout = max(0.0, self.reserve_until - time.monotonic())
             else:
                 timeout = None
+            if memory.recheck_at is not None:
+                due = max(0.0, memory.recheck_at - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
             events = self.selector.select(timeout)
+            if memory.recheck_at is not None and time.monotonic() >= memory.recheck_at:
+                memory.relieve(self.jails)
             # The usual spares are refilled only when the sandbox is quiet: a fork stalls the zygote and a jail's
             # set-up takes CPU from the calls. A reserve (more jails than the usual spares, asked for ahead of a
             # burst) is filled while no request comes, through the events of the jails it is starting: pausing for
@@ -390,6 +419,8 @@ class _Zygote:
                 if kind == "wake":
                     wake_r.recv(4096)
                     self.reap()
+                elif kind == "memory":
+                    memory.relieve(self.jails)
                 elif kind == "control":
                     if not self.on_control():
                         signal.set_wakeup_fd(-1)
