@@ -88,11 +88,11 @@ def gpu_workload(batch: int, seed: int, scale: float = 1.0) -> list[dict]:
 
 
 class _Request:
-    __slots__ = ("id", "key", "tokens", "emitted", "prefill", "prompt_len")
+    __slots__ = ("id", "key", "tokens", "emitted", "prefill", "prompt_len", "cut")
 
-    def __init__(self, request_id, key, tokens, prefill, prompt_len):
+    def __init__(self, request_id, key, tokens, prefill, prompt_len, cut=False):
         self.id, self.key, self.tokens, self.emitted = request_id, key, tokens, 0
-        self.prefill, self.prompt_len = prefill, prompt_len
+        self.prefill, self.prompt_len, self.cut = prefill, prompt_len, cut
 
 
 class ModelEngine:
@@ -124,9 +124,10 @@ class ModelEngine:
         turn = self.turn.get(key, 0)
         self.turn[key] = turn + 1
         script = self.scripts[key]
-        tokens = script[turn][: params.max_tokens] if turn < len(script) else [self.scripts[key][-1][-1]]
+        scripted = script[turn] if turn < len(script) else [self.scripts[key][-1][-1]]
+        tokens = scripted[: params.max_tokens]
         prefill = len(ids) - prefix_cached(self.cached.get(key, ()), ids, self.cost.block)
-        self.running.append(_Request(request_id, key, tokens, prefill, len(ids)))
+        self.running.append(_Request(request_id, key, tokens, prefill, len(ids), cut=len(scripted) > len(tokens)))
         self.cached[key] = ids + tokens
         self.log.setdefault(key, []).append((prefill, len(tokens)))
 
@@ -160,7 +161,9 @@ class ModelEngine:
         for r in self.running:
             r.emitted += 1
             if r.emitted >= len(r.tokens):
-                completion = types.SimpleNamespace(token_ids=list(r.tokens), logprobs=None)
+                # As vLLM reports it: "length" when the turn was cut at its budget, "stop" otherwise.
+                reason = "length" if r.cut else "stop"
+                completion = types.SimpleNamespace(token_ids=list(r.tokens), logprobs=None, finish_reason=reason)
                 finished.append(types.SimpleNamespace(request_id=r.id, finished=True, outputs=[completion]))
             else:
                 still.append(r)
