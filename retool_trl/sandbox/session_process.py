@@ -30,6 +30,7 @@ from jail_setup import (  # a sibling script module (worker.py puts this directo
     prctl,
     write_file,
 )
+from landlock import restrict_self  # the isolation package's Landlock level (stdlib-only), a sibling script module
 
 HEADER = struct.Struct("!I")
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
@@ -219,6 +220,21 @@ def _serve(cell, payload, cpu_s):
     return frame(status)
 
 
+_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _CAP_LAST = 36, 24, 63
+
+
+def _drop_capabilities():
+    """Empties every capability set of a uid-0 session (and its bounding set, so that no program it runs gets them
+    back): root's files stay its own, but it can no longer override permissions, kill, trace or change uid."""
+    for cap in range(_CAP_LAST + 1):
+        ctypes.CDLL(None).prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the kernel's last: ignored
+    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = ctypes.create_string_buffer(24)  # two (effective, permitted, inheritable) triples, all zero
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.capset(ctypes.create_string_buffer(header, len(header)), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset: could not drop the session's capabilities")
+
+
 def session_main(config, jail):
     """Body of a session process (fds already in place): isolation and limits, then cells until EOF."""
     if jail["warm"]:  # a spare started ahead of demand sets up behind the running cells; reniced when handed out
@@ -256,11 +272,17 @@ def session_main(config, jail):
         limits.append((resource.RLIMIT_NPROC, config["max_processes"]))
     for kind, value in limits:
         resource.setrlimit(kind, (value, value))
+    if not config["jail"]:  # not pid 1 of a namespace: orphans of the cell still come back to us, to be ended
+        prctl(_PR_SET_CHILD_SUBREAPER, 1)
     if uid:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    elif config.get("landlock") and os.geteuid() == 0:
+        _drop_capabilities()  # uid 0 kept (the interpreter is readable by root only): without root's powers
     prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if config.get("landlock"):
+        restrict_self(config["landlock"], scratch)
     if config.get("seccomp"):
         install_seccomp(base64.b64decode(config["seccomp"]))
     os.environ["HOME"] = os.environ["TMPDIR"] = scratch

@@ -28,12 +28,15 @@ import traceback
 # The sibling modules `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script directory on
 # sys.path, and cells must not find this package's modules there either, so the directory is on it for these imports
 # only.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation"),
+]
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
 from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
 
-del sys.path[0]
+del sys.path[:2]
 
 _REFILL_AFTER_S = 0.02  # no request for this long before pre-starting a jail: a fork stalls the zygote for a few ms
 _SPARE_WEIGHT, _FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
@@ -201,9 +204,17 @@ class _Zygote:
             creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
             hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
             host.sendmsg([frame(hello)], [creds, rights])
-        except PermissionError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            hello = {"hello": True, "pid": jail.pid, "creds": False, "cgroups": jail.cgroup_kinds}
-            host.sendmsg([frame(hello)], [rights])
+        except PermissionError:
+            # Not allowed to name another process's pid: the pids we see may not be the host's (bubblewrap's pid
+            # namespace, entered through a user namespace by a normal user). A pidfd names the process itself, and
+            # the host reads its pid, as the host sees it, from the pidfd's fdinfo.
+            pidfd = os.pidfd_open(jail.pid)
+            try:
+                pids = struct.pack("4i", jail.request_w, jail.status_r, jail.output, pidfd)
+                hello = {"hello": True, "pid": jail.pid, "creds": False, "pidfd": True, "cgroups": jail.cgroup_kinds}
+                host.sendmsg([frame(hello)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pids)])
+            finally:
+                os.close(pidfd)
         except OSError as exc:
             host.close()
             self.kill(jail)
