@@ -206,6 +206,9 @@ class LocalSandbox(CallResults):
             "cpu_cgroup": "cpu" in kinds,
             "seccomp": seccomp_program(self._launch.socket_families)[0] is not None,
             "landlock": self._launch.landlock is not None,
+            # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
+            # private read-only view of the host (bubblewrap).
+            "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
         }
         missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:

@@ -437,13 +437,14 @@ def main():
     # control socket closing (the trainer ended, however it ended) ends the zygote, and every jail with it.
     problem = probe_jail() if config["jail"] else "not asked for"
     if config["jail"] and problem:
-        _send(
-            control,
-            {
-                "warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
-                "and IPC namespaces"
-            },
-        )
+        if not config.get("landlock"):  # the Landlock level's report already lists what namespaces would add
+            _send(
+                control,
+                {
+                    "warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
+                    "and IPC namespaces"
+                },
+            )
         config["jail"] = False
     for name in config.get("preload", ()):
         try:

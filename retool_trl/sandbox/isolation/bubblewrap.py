@@ -3,11 +3,13 @@ no network), and each session then enters namespaces of its own (`jail_setup.ent
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from functools import lru_cache
 
+from . import landlock
 from .common import SANDBOX_SCRATCH_ROOT, Launch, _hidden_roots, _needed_paths, clean_env
 from .seccomp import FAMILIES_IN_A_NETWORK_NAMESPACE
 
@@ -82,6 +84,15 @@ def problem(network: bool) -> str | None:
 
 
 def launch(worker: str, network: bool, writable: tuple[str, ...]) -> Launch:
-    """The zygote inside bubblewrap; `writable` are the sandbox's own cgroup directories."""
+    """The zygote inside bubblewrap; `writable` are the sandbox's own cgroup directories.
+
+    As root, each session gets namespaces and a uid of its own inside. A normal user's bubblewrap runs through a user
+    namespace, where the zygote can make neither: its sessions would share one uid, /tmp and network namespace. Where
+    the kernel has Landlock, each of those sessions also restricts itself as the Landlock level's do (reads what the
+    interpreter needs, writes its own scratch, signals nothing outside itself), and only AF_UNIX sockets remain."""
     command = bwrap_command(find_bwrap(), worker, network, 64, writable) + ["--"]
-    return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, None, FAMILIES_IN_A_NETWORK_NAMESPACE, [])
+    if os.geteuid() == 0 or landlock.landlock_problem() is not None:
+        return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, None, FAMILIES_IN_A_NETWORK_NAMESPACE, [])
+    shared = landlock.launch(worker, network)
+    missing = [m for m in shared.missing if not m.startswith(("private /tmp", "memory bound"))]
+    return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, shared.landlock, shared.socket_families, missing)

@@ -13,7 +13,7 @@ from .seccomp import FAMILIES_IN_A_NETWORK_NAMESPACE, FAMILIES_WITHOUT_NAMESPACE
 
 def launch(worker: str, network: bool, problem: str) -> Launch:
     """`problem` says why no stronger level runs here (it goes into the warning and the report)."""
-    missing = [f"read-only host file system and private /tmp (no bubblewrap or Landlock: {problem})"]
+    missing = ["read-only host file system (bubblewrap)", f"file-system rules (Landlock): {problem}"]
     if not can_drop_privileges(worker):
         missing.append("own uid per session (sessions can signal each other and read each other's /proc)")
     if os.geteuid() != 0:  # root may still get namespaces of its own per session (the zygote probes)
