@@ -314,8 +314,8 @@ class LocalSandbox(CallResults):
         self._drop_privileges = can_drop_privileges(_WORKER)
         if launch.level == "none":
             warn_once(
-                f"LocalSandbox: no isolation level runs here ({why or 'none was asked for'}), so cells can read the "
-                "host file system"
+                f"LocalSandbox: bubblewrap is unavailable ({why or 'isolation=none asked for'}), so cells can read "
+                "the host file system"
                 + (
                     ""
                     if os.geteuid() == 0
