@@ -58,7 +58,8 @@ def main():
     out["host_pid"] = a._proc.host_pid if a._proc is not None else None
     out["host_pid_is_session"] = bool(out["host_pid"]) and _is_worker(out["host_pid"])
     b_info = run(b, "import os\nopen('secret.txt', 'w').write('b')\nprint(os.getcwd(), os.getpid())")
-    b_dir, b_pid = (b_info["output"].split() + ["", "0"])[:2]
+    words = b_info["output"].split() if b_info["ok"] else []
+    b_dir, b_pid = (words[0], int(words[1])) if len(words) == 2 and words[1].isdigit() else ("/nonexistent", 0)
     checks = {
         "shadow": "print(open('/etc/shadow').read()[:8])",
         "dotenv": f"print(open({os.path.join(launch_dir, '.env')!r}).read())",
@@ -69,7 +70,7 @@ def main():
         f"s.sendto(b'x', ('127.0.0.1', {udp.getsockname()[1]}))\ns.sendto(b'x', ('192.0.2.1', 53))\nprint('sent')",
         "vsock": "import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\nprint('made')",
         "other_scratch": f"print(open({os.path.join(b_dir, 'secret.txt')!r}).read())",
-        "kill_other": f"import os\nos.kill({int(b_pid)}, 9)\nprint('sent')",
+        "kill_other": f"import os\nos.kill({b_pid}, 9)\nprint('sent')",
         "kill_trainer": f"import os\nos.kill({os.getpid()}, 0)\nprint('sent')",
         "leftover": "import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
         "subprocess.Popen(['sh', '-c', '(sleep 1001 &)'])\nprint('started')",
