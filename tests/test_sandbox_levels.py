@@ -26,43 +26,8 @@ pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("sandbox_levels_probe.py")
+AS_USER = ROOT / "scripts" / "as_normal_user.py"
 USER = 65534
-
-# Runs argv as USER in a private mount namespace where /root shows only the interpreter's directory (so a normal user
-# can start it), optionally inside a user namespace of its own whose max_user_namespaces is 0.
-AS_USER = r"""
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-uid, block, argv = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[4:]
-keep = sys.argv[3]
-r, w = os.pipe(); r2, w2 = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(w); os.close(r2)
-    if libc.unshare(0x20000 | (0x10000000 if block else 0)) != 0:
-        os._exit(90)
-    os.write(w2, b"u"); os.close(w2)
-    os.read(r, 1)
-    if block:
-        os.setresgid(0, 0, 0); os.setresuid(0, 0, 0)
-        with open("/proc/sys/user/max_user_namespaces", "w") as f:
-            f.write("0")
-    script = ("mount --make-rprivate / && mkdir -p /tmp/.keep-interp && mount --bind \"$KEEP\" /tmp/.keep-interp && "
-              "mount -t tmpfs -o mode=755,size=1m tmpfs /root && mkdir -p \"$KEEP\" && "
-              "mount --move /tmp/.keep-interp \"$KEEP\" && exec setpriv --reuid=%d --regid=%d --clear-groups "
-              "--inh-caps=-all --bounding-set=-all \"$@\"" % (uid, uid))
-    os.environ["KEEP"] = keep
-    os.execvp("sh", ["sh", "-c", script, "sh", *argv])
-os.close(r); os.close(w2)
-os.read(r2, 1)
-if block:
-    open(f"/proc/{pid}/setgroups", "w").write("allow")
-    for name in ("uid_map", "gid_map"):
-        open(f"/proc/{pid}/{name}", "w").write(f"0 0 1\n{uid} {uid} 1\n")
-os.write(w, b"g"); os.close(w)
-_, status = os.waitpid(pid, 0)
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
 
 
 def _interpreter_home() -> str | None:
@@ -82,9 +47,9 @@ def run_as_user(block_userns: bool, *args: str) -> dict:
             pytest.skip(f"needs {tool}")
     if not all(os.stat(p).st_mode & 0o005 for p in (ROOT, *ROOT.parents) if str(p) != "/"):
         pytest.skip("the checkout is not readable by other users")
-    keep = _interpreter_home() or "/root/.none"
+    keep = _interpreter_home() or "-"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8"}
-    command = [sys.executable, "-c", AS_USER, str(USER), "1" if block_userns else "0", keep]
+    command = [sys.executable, str(AS_USER), str(USER), "1" if block_userns else "0", keep]
     command += [sys.executable, str(PROBE), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env, cwd="/")
     if done.returncode == 90:

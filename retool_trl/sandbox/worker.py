@@ -346,6 +346,14 @@ class _Zygote:
         while self.jails and time.monotonic() < deadline:  # cgroups left are the host's to remove
             self.reap()
             time.sleep(0.002)
+        # Scratch removers still running (the levels without a jail): reaped here, or they would become zombies of
+        # whatever adopts them (the trainer itself when it is pid 1 of a container).
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    time.sleep(0.002)
+            except ChildProcessError:
+                break
 
     # --------------------------------------------------------------------------------------------- main loop
 
