@@ -311,7 +311,7 @@ class LocalSandbox(CallResults):
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
-        self._drop_privileges = can_drop_privileges(_WORKER)
+        self._drop_privileges = can_drop_privileges(_WORKER) or bool((launch.landlock or {}).get("read_override"))
         if launch.level == "none":
             warn_once(
                 f"LocalSandbox: bubblewrap is unavailable ({why or 'isolation=none asked for'}), so cells can read "
