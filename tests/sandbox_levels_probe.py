@@ -37,7 +37,16 @@ def main():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            sandbox = LocalSandbox(num_workers=2, timeout_s=5.0, memory_mb=512, preload=(), isolation=mode)
+            # PROBE_ALLOW_ROOT=1 measures a build that refuses root without isolation (the before of a comparison).
+            allow = os.environ.get("PROBE_ALLOW_ROOT") == "1"
+            sandbox = LocalSandbox(
+                num_workers=2,
+                timeout_s=5.0,
+                memory_mb=512,
+                preload=(),
+                isolation=mode,
+                allow_root_without_isolation=allow,
+            )
             out["report"] = sandbox.isolation_report()
         except Exception as exc:  # noqa: BLE001 - the refusal is an outcome too
             out["refused"] = f"{type(exc).__name__}: {exc}"
