@@ -206,6 +206,7 @@ class LocalSandbox(CallResults):
             "cpu_cgroup": "cpu" in kinds,
             "seccomp": seccomp_program(self._launch.socket_families)[0] is not None,
             "landlock": self._launch.landlock is not None,
+            "landlock_abi": int((self._launch.landlock or {}).get("abi", 0)),
             # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
             # private read-only view of the host (bubblewrap).
             "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
