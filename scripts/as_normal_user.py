@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Runs a command as a normal user of this host, the way a trainer runs on a shared workstation or a Slurm node.
 
-    python scripts/as_normal_user.py UID BLOCK_USERNS KEEP_DIR COMMAND...
+    python scripts/as_normal_user.py UID BLOCK_USERNS KEEP_DIRS COMMAND...
 
 Must start as root. In a private mount namespace, /root is replaced by an empty, traversable tmpfs that shows only
-KEEP_DIR (the interpreter's install, e.g. /root/.pyenv), so that the user can start the same interpreter; nothing else
-of /root is visible. With BLOCK_USERNS=1 the command also runs in a user namespace of its own whose
-`user.max_user_namespaces` is 0 (the limit is per user namespace), so it cannot make user namespaces, as a user of
-RHEL's default or Ubuntu 24.04's AppArmor rule cannot. Exits 90 where the namespaces cannot be made (a container).
+KEEP_DIRS (":"-separated: the interpreter's install, e.g. /root/.pyenv, and a checkout under /root), so that the
+user can start the same interpreter; nothing else of /root is visible ("-": /root is left as it is). With
+BLOCK_USERNS=1 the command also runs in a user namespace of its own whose `user.max_user_namespaces` is 0 (the limit
+is per user namespace), so it cannot make user namespaces, as a user of RHEL's default or Ubuntu 24.04's AppArmor
+rule cannot. Exits 90 where the namespaces cannot be made (a container).
 """
 
 import ctypes
@@ -15,13 +16,23 @@ import os
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
-# Shell run in the new namespaces: private mounts, /root reduced to KEEP_DIR ("-": left alone), then the user.
-SETUP = (
-    "mount --make-rprivate / && "
-    '{ [ "$KEEP" = - ] || { mkdir -p /tmp/.keep-interp && mount --bind "$KEEP" /tmp/.keep-interp && '
-    'mount -t tmpfs -o mode=755,size=1m tmpfs /root && mkdir -p "$KEEP" && mount --move /tmp/.keep-interp "$KEEP"; }; }'
-    ' && exec setpriv --reuid="$RUN_UID" --regid="$RUN_UID" --clear-groups --inh-caps=-all --bounding-set=-all "$@"'
-)
+# Shell run in the new namespaces: private mounts, /root reduced to the KEEP directories, then the user.
+SETUP = """
+set -e
+mount --make-rprivate /
+if [ "$KEEP" != - ]; then
+    i=0
+    for dir in $(echo "$KEEP" | tr : ' '); do
+        mkdir -p /tmp/.keep-$i && mount --bind "$dir" /tmp/.keep-$i && i=$((i+1))
+    done
+    mount -t tmpfs -o mode=755,size=1m tmpfs /root
+    i=0
+    for dir in $(echo "$KEEP" | tr : ' '); do
+        mkdir -p "$dir" && mount --move /tmp/.keep-$i "$dir" && i=$((i+1))
+    done
+fi
+exec setpriv --reuid="$RUN_UID" --regid="$RUN_UID" --clear-groups --inh-caps=-all --bounding-set=-all "$@"
+"""
 
 
 def main() -> int:
