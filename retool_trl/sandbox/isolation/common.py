@@ -93,10 +93,27 @@ def _hidden_roots(paths: list[Path], replaced: tuple[str, ...]) -> list[Path]:
     return sorted(roots)
 
 
+def has_capability(cap: int) -> bool:
+    """Whether this process holds capability `cap` (its number) in its effective set."""
+    with open("/proc/self/status") as f:
+        effective = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    return bool(effective >> cap & 1)
+
+
+CAP_SETUID, CAP_SYS_PTRACE = 7, 19
+
+
+def may_watch_other_uids() -> bool:
+    """Root that may change uids and still watch a session of another uid (the trainer reads /proc/PID/syscall,
+    which needs ptrace access): a container runtime's root lacks CAP_SYS_PTRACE."""
+    return os.geteuid() == 0 and has_capability(CAP_SETUID) and has_capability(CAP_SYS_PTRACE)
+
+
 def can_drop_privileges(worker: str) -> bool:
-    """Without bubblewrap, whether sessions can run under their own uid: we must be root (CAP_SETUID) and the
-    interpreter and its libraries must be reachable by other users (not under a mode-700 home)."""
-    return os.geteuid() == 0 and not _hidden_roots(_needed_paths(worker), ())
+    """Without bubblewrap, whether sessions can run under their own uid: we must be root that may watch other uids
+    (`may_watch_other_uids`) and the interpreter and its libraries must be reachable by other users (not under a
+    mode-700 home)."""
+    return may_watch_other_uids() and not _hidden_roots(_needed_paths(worker), ())
 
 
 @dataclass(frozen=True)

@@ -143,18 +143,9 @@ def restrict_self(rules, scratch):
         os.close(ruleset)
 
 
-_CAP_SYS_PTRACE = 19
-
-
-def _has_capability(cap):
-    with open("/proc/self/status") as f:
-        effective = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
-    return bool(effective >> cap & 1)
-
-
 def launch(worker, network):
     """The trainer side: the zygote runs directly, each session restricts itself (see `restrict_self`)."""
-    from .common import Launch, _needed_paths, can_drop_privileges
+    from .common import Launch, _needed_paths, can_drop_privileges, may_watch_other_uids
     from .seccomp import FAMILIES_IN_A_NETWORK_NAMESPACE, FAMILIES_WITHOUT_NAMESPACES
 
     abi = abi_version()
@@ -172,16 +163,17 @@ def launch(worker, network):
         "memory bound of a session as a whole without a writable memory cgroup: each process is bounded by "
         "memory_mb of address space, and a call's leftover processes end with the call",
     ]
-    if os.geteuid() == 0 and not can_drop_privileges(worker) and _has_capability(_CAP_SYS_PTRACE):
+    if may_watch_other_uids() and not can_drop_privileges(worker):
         # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
         # capability to read past the file modes; Landlock's rules are what bound its reads and writes. The trainer
         # needs CAP_SYS_PTRACE to watch a session of another uid (/proc/PID/syscall): a container's root has not.
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
         missing.append(
-            "own uid per session (the trainer is not root, or is a container's root whose interpreter only root "
-            "can read: sessions run as uid 0 without any capability); sessions share a uid and Landlock keeps them "
-            "apart, but no per-session process cap (RLIMIT_NPROC counts a uid's processes) bounds a fork bomb"
+            "own uid per session (the trainer is not root, or is a container's root, which lacks CAP_SYS_PTRACE to "
+            "watch a process of another uid: sessions then run as uid 0 without any capability); sessions share a "
+            "uid and Landlock keeps them apart, but no per-session process cap (RLIMIT_NPROC counts a uid's "
+            "processes) bounds a fork bomb"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
     return Launch("landlock", [], None, rules, families, missing)
