@@ -84,8 +84,13 @@ def main():
         "leftover": "import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
         "subprocess.Popen(['sh', '-c', '(sleep 1001 &)'])\nprint('started')",
         "memory": "x = bytearray(1536 << 20)\nprint(len(x))",
+        # Each process within memory_mb, together over it: one bound for the session as a whole.
+        "memory_spread": "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+        "        x = b'x' * (200 << 20)\n        time.sleep(30)\n        os._exit(0)\n"
+        "time.sleep(4)\nprint('all held')",
     }
-    out["checks"] = {name: run(a if name != "memory" else sandbox.session(), code) for name, code in checks.items()}
+    fresh = ("memory", "memory_spread")  # sessions of their own: these end the session they run in
+    out["checks"] = {name: run(sandbox.session() if name in fresh else a, code) for name, code in checks.items()}
     try:
         listener.accept()
         out["tcp_accepted"] = True

@@ -81,6 +81,7 @@ def _assert_contract(out: dict) -> None:
             assert not result["ok"], (name, result["output"])
     assert "hf_probe_secret" not in json.dumps(out["checks"])
     assert "MemoryError" in out["checks"]["memory"]["output"]
+    assert "MemoryError" in out["checks"]["memory_spread"]["output"]  # 4 x 200 MB under 512 MB: the session's bound
     assert not out["tcp_accepted"] and not out["udp_received"]
     assert out["other_alive"]["ok"], out["other_alive"]
     assert out["leftovers"] == []

@@ -260,6 +260,8 @@ class LocalSandbox(CallResults):
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
                 "landlock": self._launch.landlock,
+                # No memory cgroup to bound a session as a whole: the zygote samples its processes instead.
+                "session_watchdog": not (self._cgroups.kinds & {"memory1", "memory", "v2"}),
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,

@@ -11,6 +11,30 @@ import struct
 HEADER = struct.Struct("!I")
 
 
+def send_hello(host, jail, frame):
+    """Hands a jail to the host: its channels, and its pid as the host sees it.
+
+    SCM_CREDENTIALS are translated between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which
+    root has). Without it, the pids we see may not be the host's (bubblewrap's pid namespace, entered through a user
+    namespace by a normal user): a pidfd then names the process itself, and the host reads the pid it knows the
+    process by from the pidfd's fdinfo."""
+    fds = [jail.request_w, jail.status_r, jail.output]
+    hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
+    try:
+        creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", *fds))
+        host.sendmsg([frame(hello)], [creds, rights])
+        return
+    except PermissionError:
+        pass
+    pidfd = os.pidfd_open(jail.pid)
+    try:
+        hello.update(creds=False, pidfd=True)
+        host.sendmsg([frame(hello)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("4i", *fds, pidfd))])
+    finally:
+        os.close(pidfd)
+
+
 def death_cause(status, cgroups) -> dict:
     """What killed a session process, from its wait status: `{"exit": code}` or `{"signal": n, "oom": bool}`.
 

@@ -20,7 +20,6 @@ import selectors
 import shutil
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -33,8 +32,9 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation"),
 ]
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
-from reaping import Jail, death_cause, recv_control, rmdir_quietly  # noqa: E402
+from reaping import Jail, death_cause, recv_control, rmdir_quietly, send_hello  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
+from watchdog import INTERVAL_S, enforce  # noqa: E402 - the isolation package's, for hosts without cgroups
 
 del sys.path[:2]
 
@@ -90,6 +90,8 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.pid = os.getpid()
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY) if config["jail"] else None
+        self.watched_at = 0.0  # last sample of the sessions' memory and processes (`session_watchdog` only)
+        self.killed_for_memory = set()  # pids of sessions the watchdog killed for their memory, until reaped
 
     # -------------------------------------------------------------------------------------------- forking jails
 
@@ -197,24 +199,8 @@ class _Zygote:
                     write_file(os.path.join(path, name), str(value))
                 except OSError:
                     pass
-        # The hello carries the jail's channels, and its pid as the host sees it: SCM_CREDENTIALS are translated
-        # between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which we have as root).
-        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
         try:
-            creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
-            hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
-            host.sendmsg([frame(hello)], [creds, rights])
-        except PermissionError:
-            # Not allowed to name another process's pid: the pids we see may not be the host's (bubblewrap's pid
-            # namespace, entered through a user namespace by a normal user). A pidfd names the process itself, and
-            # the host reads its pid, as the host sees it, from the pidfd's fdinfo.
-            pidfd = os.pidfd_open(jail.pid)
-            try:
-                pids = struct.pack("4i", jail.request_w, jail.status_r, jail.output, pidfd)
-                hello = {"hello": True, "pid": jail.pid, "creds": False, "pidfd": True, "cgroups": jail.cgroup_kinds}
-                host.sendmsg([frame(hello)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pids)])
-            finally:
-                os.close(pidfd)
+            send_hello(host, jail, frame)
         except OSError as exc:
             host.close()
             self.kill(jail)
@@ -262,6 +248,8 @@ class _Zygote:
     def report_death(self, jail, status):
         """Tells the host how its session died: the zygote's own wait status, out of the cells' reach."""
         cause = death_cause(status, jail.cgroups)
+        if jail.pid in self.killed_for_memory and cause.get("signal") == signal.SIGKILL:
+            cause["oom"] = True  # the session's own memory bound, kept by the watchdog where no cgroup does
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -324,11 +312,18 @@ class _Zygote:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
                 self.report_death(jail, status)
+            self.killed_for_memory.discard(pid)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
                 self.remove_later(jail.scratch)
         self.graveyard = [path for path in self.graveyard if not rmdir_quietly(path)]
+
+    def watch(self):
+        """Where no memory cgroup bounds a session as a whole: the watchdog's sample (`isolation/watchdog.py`)."""
+        self.watched_at = time.monotonic()
+        live = [jail.pid for jail in self.jails.values() if not jail.closed]
+        self.killed_for_memory |= enforce(live, self.config["memory_mb"] << 20, self.config["max_processes"])
 
     def remove_later(self, path):
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
@@ -346,14 +341,10 @@ class _Zygote:
         while self.jails and time.monotonic() < deadline:  # cgroups left are the host's to remove
             self.reap()
             time.sleep(0.002)
-        # Scratch removers still running (the levels without a jail): reaped here, or they would become zombies of
-        # whatever adopts them (the trainer itself when it is pid 1 of a container).
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    time.sleep(0.002)
-            except ChildProcessError:
-                break
+        # Scratch removers (levels without a jail) are reaped too, or they become zombies of whoever adopts them (the
+        # trainer itself when it is pid 1 of a container).
+        while time.monotonic() < deadline and _reaped_or_waited():
+            pass
 
     # --------------------------------------------------------------------------------------------- main loop
 
@@ -384,7 +375,11 @@ class _Zygote:
                 timeout = max(0.0, self.reserve_until - time.monotonic())
             else:
                 timeout = None
+            if self.config.get("session_watchdog"):
+                timeout = INTERVAL_S if timeout is None else min(timeout, INTERVAL_S)
             events = self.selector.select(timeout)
+            if self.config.get("session_watchdog") and time.monotonic() - self.watched_at >= INTERVAL_S:
+                self.watch()
             # The usual spares are refilled only when the sandbox is quiet: a fork stalls the zygote and a jail's
             # set-up takes CPU from the calls. A reserve (more jails than the usual spares, asked for ahead of a
             # burst) is filled while no request comes, through the events of the jails it is starting: pausing for
@@ -432,6 +427,16 @@ class _Zygote:
             reply = {"error": f"unknown op {op!r}"}
         _send(self.control, reply)
         return True
+
+
+def _reaped_or_waited():
+    """Reaps one dead child or waits 2 ms for one; False once there is no child left."""
+    try:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            time.sleep(0.002)
+        return True
+    except ChildProcessError:
+        return False
 
 
 def _send(sock, obj):

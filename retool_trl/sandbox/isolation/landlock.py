@@ -160,8 +160,9 @@ def launch(worker, network):
         "POSIX semaphores (multiprocessing locks) are unavailable; its size is bounded per file only",
         "private process list: other processes' command lines and status are visible in /proc (not their "
         "memory, environment or descriptors)",
-        "memory bound of a session as a whole without a writable memory cgroup: each process is bounded by "
-        "memory_mb of address space, and a call's leftover processes end with the call",
+        "memory bound of a session as a whole, enforced at once (no writable memory cgroup): the zygote samples "
+        "each session's processes every 0.1 s and kills one over memory_mb or max_processes, so a session can "
+        "exceed them between samples; each process is also bounded by memory_mb of address space",
     ]
     if may_watch_other_uids() and not can_drop_privileges(worker):
         # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
