@@ -13,6 +13,7 @@ third-party packages.
 import ctypes
 import os
 import struct
+import sys
 
 # Syscall numbers of the generic table (x86-64 and aarch64 alike).
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
@@ -51,7 +52,9 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def abi_version():
-    """The kernel's Landlock ABI (0: none, or disabled at boot)."""
+    """The kernel's Landlock ABI (0: none, disabled at boot, or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return 0
     version = _libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
     return max(0, int(version))
 
