@@ -34,7 +34,7 @@ sys.path[:0] = [
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
 from reaping import Jail, death_cause, recv_control, rmdir_quietly, send_hello  # noqa: E402
 from session_process import frame, session_main  # noqa: E402
-from watchdog import INTERVAL_S, enforce  # noqa: E402 - the isolation package's, for hosts without cgroups
+from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - the isolation package's, for hosts without cgroups
 
 del sys.path[:2]
 
@@ -92,6 +92,7 @@ class _Zygote:
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY) if config["jail"] else None
         self.watched_at = 0.0  # last sample of the sessions' memory and processes (`session_watchdog` only)
         self.killed_for_memory = set()  # pids of sessions the watchdog killed for their memory, until reaped
+        self.removers = set()  # pids of the children removing dead sessions' scratch directories
 
     # -------------------------------------------------------------------------------------------- forking jails
 
@@ -305,7 +306,8 @@ class _Zygote:
                 break
             jail = self.jails.pop(pid, None)
             if jail is None:
-                continue  # a scratch remover
+                self.removers.discard(pid)
+                continue  # a scratch remover, or a process of a dead session that came back to us
             if pid in self.spares:
                 self.spares.remove(pid)
             if jail.ready_r is not None:
@@ -318,19 +320,23 @@ class _Zygote:
             if jail.scratch:
                 self.remove_later(jail.scratch)
         self.graveyard = [path for path in self.graveyard if not rmdir_quietly(path)]
+        if not self.config["jail"]:  # without a pid namespace, what a dead session left comes back to us: ended
+            kill_strays(self.pid, set(self.jails) | self.removers)
 
     def watch(self):
         """Where no memory cgroup bounds a session as a whole: the watchdog's sample (`isolation/watchdog.py`)."""
         self.watched_at = time.monotonic()
         live = [jail.pid for jail in self.jails.values() if not jail.closed]
         self.killed_for_memory |= enforce(live, self.config["memory_mb"] << 20, self.config["max_processes"])
+        kill_strays(self.pid, set(self.jails) | self.removers)  # what a killed session forked after the sample
 
     def remove_later(self, path):
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
         try:
-            if os.fork() == 0:
+            if (pid := os.fork()) == 0:
                 shutil.rmtree(path, ignore_errors=True)
                 os._exit(0)
+            self.removers.add(pid)
         except OSError:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -341,6 +347,7 @@ class _Zygote:
         while self.jails and time.monotonic() < deadline:  # cgroups left are the host's to remove
             self.reap()
             time.sleep(0.002)
+        kill_strays(self.pid, self.removers)
         # Scratch removers (levels without a jail) are reaped too, or they become zombies of whoever adopts them (the
         # trainer itself when it is pid 1 of a container).
         while time.monotonic() < deadline and _reaped_or_waited():
@@ -475,6 +482,9 @@ def main():
             },
         )
     os.chdir("/")
+    # Processes of a session that dies before them (killed with it, without a pid namespace) come back to us and are
+    # reaped, not to whoever is pid 1 (the trainer itself, in many containers), where they would stay zombies.
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     gc.freeze()  # keep the collector off the preloaded objects, so forked children do not copy their pages
     _Zygote(control, config).serve()
 

@@ -22,12 +22,7 @@ def process_tree(pid):
     while todo:
         current = todo.pop()
         found.append(current)
-        try:
-            for tid in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{tid}/children", "rb") as f:
-                    todo.extend(int(child) for child in f.read().split())
-        except (OSError, ValueError):
-            continue
+        todo.extend(_children(current))
     return found
 
 
@@ -67,3 +62,26 @@ def enforce(session_pids, memory_bytes, max_processes):
             except OSError:
                 pass
     return for_memory
+
+
+def kill_strays(parent, keep):
+    """Kills the children of `parent` (the zygote, a subreaper) not in `keep`, with their descendants: processes of a
+    session that died before them, which came back to the zygote instead of ending with their session."""
+    for child in _children(parent):
+        if child not in keep:
+            for pid in process_tree(child):
+                try:
+                    os.kill(pid, 9)  # SIGKILL
+                except OSError:
+                    pass
+
+
+def _children(pid):
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+    except (OSError, ValueError):
+        pass
+    return found
