@@ -211,9 +211,9 @@ def test_a_local_sandbox_that_cannot_start_stops_before_the_first_rollout(tmp_pa
     run without CAP_SYS_ADMIN): the trainer stops before generating, with the sandbox's own words."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run bubblewrap without CAP_SYS_ADMIN")
-    import retool_trl.sandbox.local as local
+    import retool_trl.sandbox.isolation.bubblewrap as bubblewrap
 
-    real = local.bwrap_usable
+    real = bubblewrap.bwrap_usable
 
     def without_sys_admin(bwrap, network):
         # The same check, run as a process that lacks CAP_SYS_ADMIN (bwrap fails as it does in a container).
@@ -222,7 +222,7 @@ def test_a_local_sandbox_that_cannot_start_stops_before_the_first_rollout(tmp_pa
         fake.chmod(0o755)
         return real(str(fake), network)
 
-    monkeypatch.setattr(local, "bwrap_usable", without_sys_admin)
+    monkeypatch.setattr(bubblewrap, "bwrap_usable", without_sys_admin)
     sandbox = LocalSandbox(num_workers=1, isolation="bwrap")
     trainer = trainer_for(tmp_path, SCRIPTS, sandbox)
     try:

@@ -171,7 +171,10 @@ def _long_call_in_a_thread(session, settle_s: float):
     return runner, box
 
 
-def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
+def test_a_kill_from_outside_is_an_infrastructure_error(sandbox, report):
+    # Without a pid namespace a cell can SIGKILL its own interpreter: the sandbox then counts a SIGKILL as the
+    # cell's doing (a policy must not make its own failures unscored), so this holds only with per-session jails.
+    _require(report, "jail_per_session")
     s = sandbox.session()
     runner, box = _long_call_in_a_thread(s, 0.5)
     os.kill(s._proc.host_pid, signal.SIGKILL)  # what the OOM killer of the machine does
@@ -180,7 +183,10 @@ def test_a_kill_from_outside_is_an_infrastructure_error(sandbox):
     assert not r.ok and r.infra_error and not r.timed_out, r
 
 
-def test_a_kill_between_calls_is_an_infrastructure_error(sandbox):
+def test_a_kill_between_calls_is_an_infrastructure_error(sandbox, report):
+    # Without a pid namespace a cell can SIGKILL its own interpreter: the sandbox then counts a SIGKILL as the
+    # cell's doing (a policy must not make its own failures unscored), so this holds only with per-session jails.
+    _require(report, "jail_per_session")
     s = sandbox.session()
     assert s.run("x = 1").ok
     os.kill(s._proc.host_pid, signal.SIGKILL)  # while it waits (stopped) for its next call
@@ -464,6 +470,7 @@ def test_a_kill_from_outside_after_cpu_heavy_children_is_still_infrastructure():
     # so it must be counted before the next call too, or an outside kill looks like the CPU limit.
     burn = "import os\nif (pid := os.fork()) == 0:\n    x = sum(range(3 * 10**7))\n    os._exit(0)\nos.waitpid(pid, 0)"
     with LocalSandbox(num_workers=1, timeout_s=10.0, cpu_time_s=1.0, preload=()) as sb:
+        _require(sb.isolation_report(), "jail_per_session")  # as above: a SIGKILL is the cell's doing without one
         s = sb.session()
         assert all(s.run(burn).ok for _ in range(3))
         runner, box = _long_call_in_a_thread(s, 0.3)

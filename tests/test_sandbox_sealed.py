@@ -118,7 +118,10 @@ def test_stale_cgroups_of_dead_trainers_are_removed_at_start():
         _, controllers, own = line.split(":", 2)
         if "pids" in controllers.split(","):
             stale = Path("/sys/fs/cgroup/pids") / own.lstrip("/") / f"retool-sandbox-{dead.pid}-dead"
-            (stale / "j1-1").mkdir(parents=True)
+            try:
+                (stale / "j1-1").mkdir(parents=True)
+            except OSError as exc:  # a container's read-only cgroups: the sandbox makes none there either
+                pytest.skip(f"the pids cgroup is not writable here ({exc.strerror})")
             made.append(stale)
     if not made:
         pytest.skip("no pids cgroup here")

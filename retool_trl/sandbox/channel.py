@@ -43,6 +43,19 @@ _kept_files = [0]  # /proc and cgroup files kept open by all sessions (see `rele
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
 
 
+def pid_of_pidfd(fd: int) -> int | None:
+    """The pid, in our own pid namespace, of the process a pidfd refers to (its fdinfo is written for the reader's
+    /proc); closes the pidfd. None if the process is gone (-1) or the kernel has no such line."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            pid = next((int(line.split()[1]) for line in f if line.startswith("Pid:")), None)
+    except (OSError, ValueError):
+        pid = None
+    finally:
+        os.close(fd)
+    return pid if pid is not None and pid > 0 else None
+
+
 class SessionProcess(JailSweep):
     """The host's handle on one session process, created from the zygote's hello on the session's socket.
 
@@ -106,7 +119,7 @@ class SessionProcess(JailSweep):
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
         """Reads the zygote's hello (sent before its reply to the spawn request, so already here)."""
         sock.settimeout(timeout_s)
-        space = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * _HELLO_FDS)
+        space = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * (_HELLO_FDS + 1))
         data, ancdata, flags, _ = sock.recvmsg(1 << 12, space, socket.MSG_CMSG_CLOEXEC)
         fds, host_pid = [], None
         for level, kind, payload in ancdata:
@@ -116,13 +129,21 @@ class SessionProcess(JailSweep):
                 host_pid = CREDS.unpack(payload[: CREDS.size])[0]
         buffer = bytearray(data)
         hello = take_frames(buffer, 1 << 12)
-        if len(fds) != _HELLO_FDS or not hello or not hello[0].get("hello"):
+        if hello and hello[0].get("pidfd") and len(fds) == _HELLO_FDS + 1:
+            host_pid = pid_of_pidfd(fds.pop())  # a zygote in a pid namespace it cannot name pids of (see worker.py)
+        if (
+            len(fds) != _HELLO_FDS
+            or not hello
+            or not hello[0].get("hello")
+            or host_pid is None
+            and hello[0].get("creds")
+        ):
             for fd in fds:
                 os.close(fd)
             if flags & socket.MSG_CTRUNC:  # the kernel had no descriptor slot for the channels it carried
                 raise OSError(errno.EMFILE, "Too many open files (the session's channels could not be received)")
             raise ConnectionError("the sandbox zygote sent an invalid hello")
-        if not hello[0].get("creds"):  # unprivileged: the zygote shares our pid namespace
+        if host_pid is None:  # the zygote shares our pid namespace
             host_pid = int(hello[0]["pid"])
         sock.setblocking(False)
         try:

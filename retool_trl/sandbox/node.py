@@ -5,18 +5,20 @@ same node.
 `torchrun` and `accelerate launch` start one trainer per GPU on a node and tell each how many there are
 (`LOCAL_WORLD_SIZE`) and which one it is (`LOCAL_RANK`); each trainer builds its own sandbox. Without this, 8 ranks
 would each take every CPU and half of the memory: 8 times the node. With it, the defaults of all ranks add up to the
-node (each rank gets at least one CPU slot).
+node (each rank gets at least one CPU slot). Also this process's own limit on open files, which a sandbox with
+hundreds of live sessions needs raised.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import resource
 from pathlib import Path
 
 from .cgroups import _ROOT, _own_path, default_memory_mb
 
-__all__ = ["local_ranks", "node_share_cpus", "node_share_memory_mb", "usable_cpus"]
+__all__ = ["local_ranks", "node_share_cpus", "node_share_memory_mb", "raise_open_file_limit", "usable_cpus"]
 
 
 def _env_int(name: str) -> int | None:
@@ -95,3 +97,20 @@ def node_share_memory_mb(share: float = 0.5) -> int:
     """This rank's memory for its sandbox: `share` of what this machine (or the container) allows, split among the
     node's ranks."""
     return default_memory_mb(share / local_ranks()[1])
+
+
+def raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to its hard limit, as servers do: a live session holds several
+    descriptors here (its socket, pipes, output, pidfd, /proc and cgroup files), and the soft limit most systems
+    start with (1,024) ends a batch of 128 first calls with "too many open files". Sessions keep their own limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):  # an infinite hard limit above the kernel's nr_open: take that instead
+            try:
+                with open("/proc/sys/fs/nr_open") as f:
+                    nr_open = int(f.read())
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(nr_open, hard), hard))
+            except (OSError, ValueError):
+                pass

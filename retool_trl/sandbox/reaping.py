@@ -1,17 +1,45 @@
-"""The zygote's side of its jails: its handle on each (`Jail`), the control socket's reader, how a jail died, and the
-quiet cleanup after it. Standard library only (the zygote imports it as a sibling script module, inside the
-sandbox's bubblewrap)."""
+"""The zygote's side of its jails: its handle on each (`Jail`), their cgroups and limits, the control socket's reader,
+how a jail died (and the SIGCHLD that says so), and the quiet cleanup after it. Standard library only (the zygote
+imports it as a sibling script module, inside the sandbox's bubblewrap)."""
 
+import ctypes
 import json
 import os
+import platform
 import signal
 import socket
 import struct
+import sys
 import time
 
-from cgroups import set_frozen  # a sibling script module, as in worker.py (stdlib only)
+from cgroups import set_frozen  # sibling script modules, as in worker.py (stdlib only)
+from jail_setup import libc, write_file
 
 HEADER = struct.Struct("!I")
+
+
+def send_hello(host, jail, frame):
+    """Hands a jail to the host: its channels, and its pid as the host sees it.
+
+    SCM_CREDENTIALS are translated between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which
+    root has). Without it, the pids we see may not be the host's (bubblewrap's pid namespace, entered through a user
+    namespace by a normal user): a pidfd then names the process itself, and the host reads the pid it knows the
+    process by from the pidfd's fdinfo."""
+    fds = [jail.request_w, jail.status_r, jail.output]
+    hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
+    try:
+        creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", *fds))
+        host.sendmsg([frame(hello)], [creds, rights])
+        return
+    except PermissionError:
+        pass
+    pidfd = os.pidfd_open(jail.pid)
+    try:
+        hello.update(creds=False, pidfd=True)
+        host.sendmsg([frame(hello)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("4i", *fds, pidfd))])
+    finally:
+        os.close(pidfd)
 
 
 def death_cause(status, cgroups, own_limit=None) -> dict:
@@ -80,6 +108,79 @@ def oom_killed(cgroups) -> bool:
         if int(counts.get("oom_kill", 0)) and failed:
             return True
     return False
+
+
+_SA_NOCLDSTOP = 1
+
+
+class _Sigaction(ctypes.Structure):
+    """glibc's `struct sigaction` where `sa_flags` follows the handler and the 1024-bit mask (x86-64, aarch64)."""
+
+    _fields_ = [
+        ("handler", ctypes.c_void_p),
+        ("mask", ctypes.c_ulong * (1024 // (8 * ctypes.sizeof(ctypes.c_ulong)))),
+        ("flags", ctypes.c_int),
+        ("restorer", ctypes.c_void_p),
+    ]
+
+
+def no_sigchld_on_stop() -> bool:
+    """Adds SA_NOCLDSTOP to the SIGCHLD handler Python installed (the signal module has no way to ask for it).
+
+    The host stops and resumes a session around every call; without the flag each of the two wakes the zygote for
+    nothing (a SIGCHLD, its wakeup byte, a `waitpid` that finds no death), on a CPU the call itself needs. Deaths
+    are still reported. Returns False, changing nothing, where the struct's layout is not the one above."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
+        return False
+    action = _Sigaction()
+    if libc.sigaction(signal.SIGCHLD, None, ctypes.byref(action)) != 0 or not action.handler:
+        return False
+    action.flags |= _SA_NOCLDSTOP
+    return libc.sigaction(signal.SIGCHLD, ctypes.byref(action), None) == 0
+
+
+SPARE_WEIGHT, FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
+
+
+def new_jail_cgroups(config, name, warm, made):
+    """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written, into
+    `made` (the caller's, so that it can remove what was made when a later step fails). A spare started ahead
+    of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice` would weigh nothing
+    against the running cells); the zygote's `spawn` gives it the full weight."""
+    period_us = 100_000
+    for kind, root in config["cgroups"]:
+        path = os.path.join(root, name)
+        if path not in made.values():
+            os.mkdir(path)
+        made[kind] = path
+        limits = {
+            # The session's own OOM killer on: a v1 cgroup inherits `oom_kill_disable` from its parent, which
+            # the sandbox's (see reaping.MemoryWatch) has set.
+            "memory1": {"memory.limit_in_bytes": config["memory_mb"] << 20, "memory.oom_control": 0},
+            "pids": {"pids.max": config["max_processes"]},
+            # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
+            "cpu": {
+                "cpu.cfs_period_us": period_us,
+                "cpu.cfs_quota_us": period_us,
+                "cpu.shares": SPARE_WEIGHT if warm else FULL_WEIGHT,
+            },
+            "v2": {
+                "memory.max": config["memory_mb"] << 20,
+                "memory.swap.max": 0,
+                "pids.max": config["max_processes"],
+                "cpu.max": f"{period_us} {period_us}",
+                "cpu.weight": 10 if warm else 100,
+            },
+        }.get(kind, {})
+        for key, value in limits.items():
+            if os.path.exists(os.path.join(path, key)):
+                try:
+                    write_file(os.path.join(path, key), str(value))
+                except OSError:
+                    if not key.startswith("cpu"):
+                        raise
+                    # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
+    return made
 
 
 def rmdir_quietly(path) -> bool:

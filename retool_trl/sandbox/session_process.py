@@ -25,11 +25,13 @@ from cell_io import Capture, format_exception  # a sibling script module, shared
 from jail_setup import (  # a sibling script module (worker.py puts this directory on sys.path for its imports)
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
+    check,
     enter_jail,
     install_seccomp,
     prctl,
     write_file,
 )
+from landlock import restrict_self  # the isolation package's Landlock level (stdlib-only), a sibling script module
 
 HEADER = struct.Struct("!I")
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
@@ -219,6 +221,44 @@ def _serve(cell, payload, cpu_s):
     return frame(status)
 
 
+_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _CAP_LAST = 36, 24, 63
+_PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 8, 47, 2
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+
+
+def _read_override():
+    """The capability that lets a session's own uid read the interpreter where only root can (a venv under a mode-700
+    /root, as in most containers): CAP_DAC_READ_SEARCH if we hold it, else CAP_DAC_OVERRIDE (a container runtime's
+    default set has only that one). Landlock, not the file modes, then decides what the session reads and writes."""
+    with open("/proc/self/status") as f:
+        permitted = next(int(line.split()[1], 16) for line in f if line.startswith("CapPrm:"))
+    for cap in (_CAP_DAC_READ_SEARCH, _CAP_DAC_OVERRIDE):
+        if permitted >> cap & 1:
+            return cap
+    return None
+
+
+def _set_capabilities(mask):
+    """Sets this thread's effective, permitted and inheritable capabilities to `mask` (capset, version 3)."""
+    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    low, high = mask & 0xFFFFFFFF, mask >> 32
+    data = struct.pack("6I", low, low, low, high, high, high)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.capset(ctypes.create_string_buffer(header, len(header)), ctypes.create_string_buffer(data, len(data))):
+        raise OSError(ctypes.get_errno(), "capset: could not set the session's capabilities")
+
+
+def _drop_capabilities(but=None):
+    """Empties the bounding set (so that no program a cell runs gets capabilities back) but for `but`; with `but`
+    None, also every capability set of this uid-0 session: root's files stay its own, but it can no longer override
+    permissions, kill, trace or change uid."""
+    for cap in range(_CAP_LAST + 1):
+        if cap != but:
+            ctypes.CDLL(None).prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the kernel's last: ignored
+    if but is None:
+        _set_capabilities(0)
+
+
 def session_main(config, jail):
     """Body of a session process (fds already in place): isolation and limits, then cells until EOF."""
     if jail["warm"]:  # a spare started ahead of demand sets up behind the running cells; reniced when handed out
@@ -256,11 +296,26 @@ def session_main(config, jail):
         limits.append((resource.RLIMIT_NPROC, config["max_processes"]))
     for kind, value in limits:
         resource.setrlimit(kind, (value, value))
+    if not config["jail"]:  # not pid 1 of a namespace: orphans of the cell still come back to us, to be ended
+        prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    keep = _read_override() if uid and (config.get("landlock") or {}).get("read_override") else None
+    if keep is not None:  # kept across the uid change below, and only it
+        _drop_capabilities(but=keep)
+        prctl(_PR_SET_KEEPCAPS, 1)
     if uid:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+        if keep is not None:
+            _set_capabilities(1 << keep)
+            check(
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, keep, 0, 0), "ambient"
+            )
+    elif config.get("landlock") and os.geteuid() == 0:
+        _drop_capabilities()  # uid 0 kept (the interpreter is readable by root only): without root's powers
     prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if config.get("landlock"):
+        restrict_self(config["landlock"], scratch)
     if config.get("seccomp"):
         install_seccomp(base64.b64decode(config["seccomp"]))
     os.environ["HOME"] = os.environ["TMPDIR"] = scratch

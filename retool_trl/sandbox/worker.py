@@ -9,64 +9,48 @@ reaps deaths (with WNOHANG only) and tells the host how each jail died, from its
 Frames on every socket: a 4-byte big-endian length, then UTF-8 JSON.
 """
 
-import ctypes
 import errno
 import gc
 import json
 import os
-import platform
 import random
 import selectors
 import shutil
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
 
-# The sibling modules `cgroups.py`, `jail_setup.py`, `reaping.py` and `session_process.py`: python -I puts no script
-# directory on sys.path, and cells must not find this package's modules there either, so the directory is on it for
-# these imports only.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The sibling modules `cgroups.py`, `jail_setup.py`, `reaping.py` and `session_process.py`, and the isolation
+# package's `watchdog.py`: python -I puts no script directory on sys.path, and cells must not find this package's
+# modules there either, so the directories are on it for these imports only.
+sys.path[:0] = [
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation"),
+]
 from cgroups import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail, write_file  # noqa: E402
-from reaping import Jail, MemoryWatch, death_cause, own_limit_reached, recv_control, rmdir_quietly  # noqa: E402
+from reaping import (  # noqa: E402  # noqa: E402
+    FULL_WEIGHT,
+    Jail,
+    MemoryWatch,
+    death_cause,
+    new_jail_cgroups,
+    no_sigchld_on_stop,
+    own_limit_reached,
+    recv_control,
+    rmdir_quietly,
+    send_hello,
+)
 from session_process import frame, session_main  # noqa: E402
+from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - the isolation package's, for hosts without cgroups
 
-del sys.path[0]
+del sys.path[:2]
 
 _REFILL_AFTER_S = 0.02  # no request for this long before pre-starting a jail: a fork stalls the zygote for a few ms
-_SPARE_WEIGHT, _FULL_WEIGHT = 102, 1024  # cgroup v1 cpu.shares of a spare setting up, and of a session
 _RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
-_SA_NOCLDSTOP = 1
-
-
-class _Sigaction(ctypes.Structure):
-    """glibc's `struct sigaction` where `sa_flags` follows the handler and the 1024-bit mask (x86-64, aarch64)."""
-
-    _fields_ = [
-        ("handler", ctypes.c_void_p),
-        ("mask", ctypes.c_ulong * (1024 // (8 * ctypes.sizeof(ctypes.c_ulong)))),
-        ("flags", ctypes.c_int),
-        ("restorer", ctypes.c_void_p),
-    ]
-
-
-def no_sigchld_on_stop() -> bool:
-    """Adds SA_NOCLDSTOP to the SIGCHLD handler Python installed (the signal module has no way to ask for it).
-
-    The host stops and resumes a session around every call; without the flag each of the two wakes the zygote for
-    nothing (a SIGCHLD, its wakeup byte, a `waitpid` that finds no death), on a CPU the call itself needs. Deaths
-    are still reported. Returns False, changing nothing, where the struct's layout is not the one above."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
-        return False
-    action = _Sigaction()
-    if libc.sigaction(signal.SIGCHLD, None, ctypes.byref(action)) != 0 or not action.handler:
-        return False
-    action.flags |= _SA_NOCLDSTOP
-    return libc.sigaction(signal.SIGCHLD, ctypes.byref(action), None) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------- zygote
@@ -88,48 +72,11 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.pid = os.getpid()
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY) if config["jail"] else None
+        self.watched_at = 0.0  # last sample of the sessions' memory and processes (`session_watchdog` only)
+        self.killed_for_memory = set()  # pids of sessions the watchdog killed for their memory, until reaped
+        self.removers = set()  # pids of the children removing dead sessions' scratch directories
 
     # -------------------------------------------------------------------------------------------- forking jails
-
-    def _new_cgroups(self, name, warm, made):
-        """The jail's own cgroups, by kind (co-mounted controllers share a directory), with its limits written, into
-        `made` (the caller's, so that it can remove what was made when a later step fails). A spare started ahead
-        of demand sets up at a tenth of a session's CPU weight (in a cgroup of its own, `nice` would weigh nothing
-        against the running cells); `spawn` gives it the full weight."""
-        period_us = 100_000
-        for kind, root in self.config["cgroups"]:
-            path = os.path.join(root, name)
-            if path not in made.values():
-                os.mkdir(path)
-            made[kind] = path
-            limits = {
-                # The session's own OOM killer on: a v1 cgroup inherits `oom_kill_disable` from its parent, which
-                # the sandbox's (see reaping.MemoryWatch) has set.
-                "memory1": {"memory.limit_in_bytes": self.config["memory_mb"] << 20, "memory.oom_control": 0},
-                "pids": {"pids.max": self.config["max_processes"]},
-                # One CPU at most, however many processes: a cell's children cannot take its neighbours' CPUs.
-                "cpu": {
-                    "cpu.cfs_period_us": period_us,
-                    "cpu.cfs_quota_us": period_us,
-                    "cpu.shares": _SPARE_WEIGHT if warm else _FULL_WEIGHT,
-                },
-                "v2": {
-                    "memory.max": self.config["memory_mb"] << 20,
-                    "memory.swap.max": 0,
-                    "pids.max": self.config["max_processes"],
-                    "cpu.max": f"{period_us} {period_us}",
-                    "cpu.weight": 10 if warm else 100,
-                },
-            }.get(kind, {})
-            for key, value in limits.items():
-                if os.path.exists(os.path.join(path, key)):
-                    try:
-                        write_file(os.path.join(path, key), str(value))
-                    except OSError:
-                        if not key.startswith("cpu"):
-                            raise
-                        # A parent quota under one CPU (a container's) refuses a larger one: the share still holds.
-        return made
 
     def _remove_cgroups(self, cgroups):
         """Removes the directories of a jail that never ran (empty, so at once; the graveyard retries otherwise)."""
@@ -149,7 +96,7 @@ class _Zygote:
                 fds.extend(os.pipe2(os.O_CLOEXEC))
             fds.append(os.memfd_create("output", os.MFD_CLOEXEC))
             try:
-                self._new_cgroups(name, warm, cgroups)
+                new_jail_cgroups(self.config, name, warm, cgroups)
             except OSError:
                 self._remove_cgroups(cgroups)
                 cgroups.clear()
@@ -207,23 +154,15 @@ class _Zygote:
             os.setpriority(os.PRIO_PROCESS, jail.pid, 0)  # only root may lower niceness again: we are root here
         except OSError:
             pass
-        for kind, name, value in (("cpu", "cpu.shares", _FULL_WEIGHT), ("v2", "cpu.weight", 100)):
+        for kind, name, value in (("cpu", "cpu.shares", FULL_WEIGHT), ("v2", "cpu.weight", 100)):
             path = jail.cgroup_kinds.get(kind)
             if path and os.path.exists(os.path.join(path, name)):
                 try:
                     write_file(os.path.join(path, name), str(value))
                 except OSError:
                     pass
-        # The hello carries the jail's channels, and its pid as the host sees it: SCM_CREDENTIALS are translated
-        # between pid namespaces (naming another process's pid needs CAP_SYS_ADMIN, which we have as root).
-        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", jail.request_w, jail.status_r, jail.output))
         try:
-            creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
-            hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
-            host.sendmsg([frame(hello)], [creds, rights])
-        except PermissionError:  # unprivileged, hence in the host's pid namespace: our pid numbers are the host's
-            hello = {"hello": True, "pid": jail.pid, "creds": False, "cgroups": jail.cgroup_kinds}
-            host.sendmsg([frame(hello)], [rights])
+            send_hello(host, jail, frame)
         except OSError as exc:
             host.close()
             self.kill(jail)
@@ -273,6 +212,8 @@ class _Zygote:
         cause = death_cause(status, jail.cgroups, own_limit)
         if jail.evicted:
             cause.update(oom=True, evicted=True)
+        if jail.pid in self.killed_for_memory and cause.get("signal") == signal.SIGKILL:
+            cause["oom"] = True  # the session's own memory bound, kept by the watchdog where no cgroup does
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -332,25 +273,37 @@ class _Zygote:
             pid, status = os.waitpid(info.si_pid, 0)
             jail = self.jails.pop(pid, None)
             if jail is None:
-                continue  # a scratch remover
+                self.removers.discard(pid)
+                continue  # a scratch remover, or a process of a dead session that came back to us
             if pid in self.spares:
                 self.spares.remove(pid)
             if jail.ready_r is not None:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
                 self.report_death(jail, status, own_limit)
+            self.killed_for_memory.discard(pid)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
                 self.remove_later(jail.scratch)
         self.graveyard = [path for path in self.graveyard if not rmdir_quietly(path)]
+        if not self.config["jail"]:  # without a pid namespace, what a dead session left comes back to us: ended
+            kill_strays(self.pid, set(self.jails) | self.removers)
+
+    def watch(self):
+        """Where no memory cgroup bounds a session as a whole: the watchdog's sample (`isolation/watchdog.py`)."""
+        self.watched_at = time.monotonic()
+        live = [jail.pid for jail in self.jails.values() if not jail.closed]
+        self.killed_for_memory |= enforce(live, self.config["memory_mb"] << 20, self.config["max_processes"])
+        kill_strays(self.pid, set(self.jails) | self.removers)  # what a killed session forked after the sample
 
     def remove_later(self, path):
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
         try:
-            if os.fork() == 0:
+            if (pid := os.fork()) == 0:
                 shutil.rmtree(path, ignore_errors=True)
                 os._exit(0)
+            self.removers.add(pid)
         except OSError:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -361,6 +314,11 @@ class _Zygote:
         while self.jails and time.monotonic() < deadline:  # cgroups left are the host's to remove
             self.reap()
             time.sleep(0.002)
+        kill_strays(self.pid, self.removers)
+        # Scratch removers (levels without a jail) are reaped too, or they become zombies of whoever adopts them (the
+        # trainer itself when it is pid 1 of a container).
+        while time.monotonic() < deadline and _reaped_or_waited():
+            pass
 
     # --------------------------------------------------------------------------------------------- main loop
 
@@ -397,9 +355,13 @@ class _Zygote:
             if memory.recheck_at is not None:
                 due = max(0.0, memory.recheck_at - time.monotonic())
                 timeout = due if timeout is None else min(timeout, due)
+            if self.config.get("session_watchdog"):
+                timeout = INTERVAL_S if timeout is None else min(timeout, INTERVAL_S)
             events = self.selector.select(timeout)
             if memory.recheck_at is not None and time.monotonic() >= memory.recheck_at:
                 memory.relieve(self.jails)
+            if self.config.get("session_watchdog") and time.monotonic() - self.watched_at >= INTERVAL_S:
+                self.watch()
             # The usual spares are refilled only when the sandbox is quiet: a fork stalls the zygote and a jail's
             # set-up takes CPU from the calls. A reserve (more jails than the usual spares, asked for ahead of a
             # burst) is filled while no request comes, through the events of the jails it is starting: pausing for
@@ -451,6 +413,16 @@ class _Zygote:
         return True
 
 
+def _reaped_or_waited():
+    """Reaps one dead child or waits 2 ms for one; False once there is no child left."""
+    try:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            time.sleep(0.002)
+        return True
+    except ChildProcessError:
+        return False
+
+
 def _send(sock, obj):
     sock.sendall(frame(obj))
 
@@ -462,13 +434,14 @@ def main():
     # control socket closing (the trainer ended, however it ended) ends the zygote, and every jail with it.
     problem = probe_jail() if config["jail"] else "not asked for"
     if config["jail"] and problem:
-        _send(
-            control,
-            {
-                "warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
-                "and IPC namespaces"
-            },
-        )
+        if not config.get("landlock"):  # the Landlock level's report already lists what namespaces would add
+            _send(
+                control,
+                {
+                    "warning": f"per-session jails are unavailable ({problem}): sessions share /tmp, network "
+                    "and IPC namespaces"
+                },
+            )
         config["jail"] = False
     for name in config.get("preload", ()):
         try:
@@ -486,6 +459,9 @@ def main():
             },
         )
     os.chdir("/")
+    # Processes of a session that dies before them (killed with it, without a pid namespace) come back to us and are
+    # reaped, not to whoever is pid 1 (the trainer itself, in many containers), where they would stay zombies.
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     gc.freeze()  # keep the collector off the preloaded objects, so forked children do not copy their pages
     _Zygote(control, config).serve()
 

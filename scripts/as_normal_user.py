@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Runs a command as a normal user of this host, the way a trainer runs on a shared workstation or a Slurm node.
+
+    python scripts/as_normal_user.py UID BLOCK_USERNS KEEP_DIRS COMMAND...
+
+Must start as root. In a private mount namespace, /root is replaced by an empty, traversable tmpfs that shows only
+KEEP_DIRS (":"-separated: the interpreter's install, e.g. /root/.pyenv, and a checkout under /root), so that the
+user can start the same interpreter; nothing else of /root is visible ("-": /root is left as it is). With
+BLOCK_USERNS=1 the command also runs in a user namespace of its own whose `user.max_user_namespaces` is 0 (the limit
+is per user namespace), so it cannot make user namespaces, as a user of RHEL's default or Ubuntu 24.04's AppArmor
+rule cannot. Exits 90 where the namespaces cannot be made (a container).
+"""
+
+import ctypes
+import os
+import sys
+
+CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
+# Shell run in the new namespaces: private mounts, /root reduced to the KEEP directories, then the user.
+SETUP = """
+set -e
+mount --make-rprivate /
+if [ "$KEEP" != - ]; then
+    i=0
+    for dir in $(echo "$KEEP" | tr : ' '); do
+        mkdir -p /tmp/.keep-$i && mount --bind "$dir" /tmp/.keep-$i && i=$((i+1))
+    done
+    mount -t tmpfs -o mode=755,size=1m tmpfs /root
+    i=0
+    for dir in $(echo "$KEEP" | tr : ' '); do
+        mkdir -p "$dir" && mount --move /tmp/.keep-$i "$dir" && i=$((i+1))
+    done
+fi
+exec setpriv --reuid="$RUN_UID" --regid="$RUN_UID" --clear-groups --inh-caps=-all --bounding-set=-all "$@"
+"""
+
+
+def main() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, block, keep, argv = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4:]
+    go_r, go_w = os.pipe()  # parent -> child: the maps are written
+    made_r, made_w = os.pipe()  # child -> parent: the namespaces exist
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        os.close(made_r)
+        if libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if block else 0)) != 0:
+            os._exit(90)
+        os.write(made_w, b"1")
+        os.read(go_r, 1)
+        if block:
+            os.setresgid(0, 0, 0)
+            os.setresuid(0, 0, 0)
+            with open("/proc/sys/user/max_user_namespaces", "w") as f:
+                f.write("0")
+        os.environ.update(KEEP=keep, RUN_UID=str(uid))
+        os.execvp("sh", ["sh", "-c", SETUP, "sh", *argv])
+    os.close(go_r)
+    os.close(made_w)
+    if os.read(made_r, 1) and block:
+        # Only a parent with CAP_SETUID in the initial namespace may map two ids: root (to write the limit) and the
+        # user (to run as).
+        with open(f"/proc/{pid}/setgroups", "w") as f:
+            f.write("allow")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(f"0 0 1\n{uid} {uid} 1\n")
+    os.write(go_w, b"1")
+    os.close(go_w)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# CI stage: the sandbox's contract tests where users train, beyond this machine's root with bubblewrap.
+#   1. inside a default rootful container (podman + runc: the runtime's seccomp profile and capabilities, read-only
+#      cgroups), on this machine's files through an overlay (--rootfs /:O), so the checkout and venv are reused;
+#   2. as a normal user with user namespaces allowed (bubblewrap through one), and blocked (max_user_namespaces=0 in
+#      a user namespace of its own, as RHEL's default or Ubuntu's AppArmor rule leave a user);
+#   3. on the host, the tests that set up those conditions themselves and compare the levels.
+# A protection the kernel cannot give there is a skip that names it; a broken contract fails the stage.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+CONTRACT_TESTS=(tests/test_sandbox_hostile.py tests/test_sandbox_jail.py tests/test_sandbox_sealed.py tests/test_sandbox_local.py)
+PYTEST=(-m pytest -q -p no:cacheprovider -rs)
+
+if [ "$(id -u)" != 0 ]; then
+    echo "test_containers: needs root (to start a rootful container and to become a normal user); not run" >&2
+    exit 1
+fi
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q podman runc >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q podman runc >/dev/null; }
+fi
+
+stage() { echo "== test_containers: $1"; }
+start=$(date +%s)
+
+stage "default rootful container (podman, runc)"
+podman --runtime runc run --rm --ulimit nofile=4096:4096 --ulimit nproc=8192:8192 \
+    -w "$ROOT" -e PYTHONPATH="$ROOT" --rootfs /:O "$PY" "${PYTEST[@]}" "${CONTRACT_TESTS[@]}"
+
+# The directories under mode-700 /root that the user needs: the interpreter's install and, if there, the checkout.
+KEEP=$("$PY" - "$ROOT" <<'PY'
+import os, sys
+from pathlib import Path
+root, keep = Path("/root"), []
+for path in (Path(os.path.realpath(sys.executable)), Path(sys.argv[1])):
+    if root in path.parents:
+        keep.append(str(root / path.relative_to(root).parts[0]))
+print(":".join(dict.fromkeys(keep)) or "-")
+PY
+)
+for block in 0 1; do
+    stage "normal user (uid 65534), user namespaces $([ $block = 1 ] && echo blocked || echo allowed)"
+    "$PY" scripts/as_normal_user.py 65534 "$block" "$KEEP" env HOME=/tmp PYTHONPATH="$ROOT" PATH="$PATH" \
+        "$PY" "${PYTEST[@]}" "${CONTRACT_TESTS[@]}"
+done
+
+stage "levels and container probe, from the host"
+PYTHONPATH="$ROOT" "$PY" "${PYTEST[@]}" tests/test_sandbox_levels.py tests/test_sandbox_container.py
+echo "CI: container and normal-user stage took $(( $(date +%s) - start )) s"
