@@ -157,6 +157,71 @@ def test_a_parked_session_does_not_compute_between_calls(sandbox):
         time.sleep(0.05)
 
 
+def _freezer_state(proc) -> str | None:
+    from retool_trl.sandbox.cgroups import freezer_control
+
+    control = freezer_control(proc.cgroups)
+    if control is None:
+        return None
+    with open(control[0], "rb") as f:
+        return f.read().strip().decode()
+
+
+def test_a_parked_session_is_frozen_a_moment_after_its_call(sandbox):
+    """Stands for a rollout whose next code block comes after a generation turn (tens of milliseconds or more): the
+    session is frozen once it has been parked for `FREEZE_AFTER_S`, while calls made back to back (a batch's code
+    blocks within a millisecond) do not pay a freeze and a thaw each. Read from the kernel's own freezer state."""
+    from retool_trl.sandbox.parking import FREEZE_AFTER_S
+
+    s = sandbox.session()
+    assert s.run("pass").ok
+    if _freezer_state(s._proc) is None:
+        pytest.skip("needs a writable cgroup freezer (v1 freezer or v2 cgroup.freeze): elsewhere SIGSTOP alone parks")
+    for _ in range(20):  # back to back: each call finds its session thawed and leaves it so
+        assert s.run("x = 1").ok
+    deadline = time.monotonic() + 5
+    while _freezer_state(s._proc) not in ("FROZEN", "1"):
+        assert time.monotonic() < deadline, f"still {_freezer_state(s._proc)} {time.monotonic() - deadline + 5:.1f} s"
+        time.sleep(FREEZE_AFTER_S)
+    assert s._proc.frozen
+    r = s.run("print(x + 1)")  # thawed for its call, state intact
+    assert r.ok and r.output.strip() == "2", r
+    s.close()
+
+
+def test_a_session_killed_as_its_freeze_lands_still_dies(sandbox):
+    """Stands for the zygote's memory watch evicting a parked session (it SIGKILLs and thaws it) in the moment
+    between the session's park and its deferred freeze: a freeze landing after that thaw would keep the victim,
+    and the memory it holds, frozen with its kill pending. The freeze sees the pending SIGKILL and leaves it
+    thawed."""
+    import signal
+
+    from retool_trl.sandbox.cgroups import set_frozen
+
+    s = sandbox.session()
+    assert s.run("pass").ok
+    proc = s._proc
+    if _freezer_state(proc) is None:
+        pytest.skip("needs a writable cgroup freezer (v1 freezer or v2 cgroup.freeze): elsewhere SIGSTOP alone parks")
+    proc._cancel_freeze()  # this test makes the freeze itself, at the moment it wants
+    proc._thaw()
+    assert set_frozen(proc.cgroups, True)  # frozen, so the SIGKILL below stays pending (as while the zygote thaws)
+    pid = proc.host_pid
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.05)
+    assert _process_state(pid) not in ("Z", "X"), "a frozen process died before its thaw: the kernel differs"
+    with proc.park_lock:
+        proc.park_ticket += 1
+        ticket = proc.park_ticket
+    proc.freeze_parked(ticket)
+    deadline = time.monotonic() + 5
+    while _process_state(pid) not in ("Z", "X"):
+        assert time.monotonic() < deadline, "the killed session was frozen again and never died"
+        time.sleep(0.01)
+    assert not proc.frozen
+    s.close()
+
+
 # A leftover child holding a 2 GB memfd, left alive by a cell that first disarms its interpreter's own end-of-cell
 # killer (its own process, which it may rewrite): the host's cleanup kills it and waits until it has left the jail,
 # which takes as long as the kernel needs to free that file (a few tenths of a second, in one system call).

@@ -23,6 +23,7 @@ import termios
 import threading
 import time
 
+from .parking import ParkedFreeze, freeze_later
 from .protocol import CREDS, frame, take_frames
 from .sweep import JailSweep, stat_fields
 
@@ -56,7 +57,7 @@ def pid_of_pidfd(fd: int) -> int | None:
     return pid if pid is not None and pid > 0 else None
 
 
-class SessionProcess(JailSweep):
+class SessionProcess(JailSweep, ParkedFreeze):
     """The host's handle on one session process, created from the zygote's hello on the session's socket.
 
     Args:
@@ -80,6 +81,8 @@ class SessionProcess(JailSweep):
         "status_frames",
         "status_bytes",
         "frozen",
+        "park_lock",
+        "park_ticket",
         "pending",
         "status",
         "zygote_gone",
@@ -111,7 +114,11 @@ class SessionProcess(JailSweep):
         self.idle_point: tuple[int, int] | None = None  # (sp, pc) where the interpreter's own loop reads fd 3
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
-        self.frozen = False  # parked in its frozen cgroup (see `settle`): thawed for the next call
+        self.frozen = False  # parked in its frozen cgroup (see `freeze_parked`): thawed for the next call
+        # A freeze waits a moment after the call (parking.py); each call, kill or close moves the ticket on, which
+        # cancels a freeze still waiting. The lock orders the freeze against that.
+        self.park_lock = threading.Lock()
+        self.park_ticket = 0
         self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
         self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
 
@@ -169,6 +176,7 @@ class SessionProcess(JailSweep):
         `setup_wait_s`) or "ran while parked" (it computed since its last call ended: see `ran_while_parked`)."""
         if self.closed:
             return "gone"
+        self._cancel_freeze()
         self.setup_problem = None
         try:  # the files a call is watched through, opened now: a call must not wait on one it cannot open
             for name in ("syscall", "stat"):
@@ -313,9 +321,11 @@ class SessionProcess(JailSweep):
             fatal=status.get("fatal") and str(status["fatal"]),
         )
         # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
-        # stopped process, not a frozen one.
-        self.frozen = self.park_frozen(True)
+        # stopped process, not a frozen one. Frozen a moment later, unless the next call comes first (parking.py).
         self.parked_cpu = self.sched_state()[1]
+        with self.park_lock:
+            self.park_ticket += 1
+            freeze_later(self, self.park_ticket)
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"
@@ -448,17 +458,14 @@ class SessionProcess(JailSweep):
     def hard_kill(self) -> None:
         """SIGKILL now, without a round trip through the zygote (which reaps it and sweeps what is left). A frozen
         jail is thawed after the kill: a frozen process dies only once thawed, and nothing of it runs in between."""
+        self._cancel_freeze()
         self.signal(signal.SIGKILL)
         self._thaw()
-
-    def _thaw(self) -> None:
-        if self.frozen:
-            self.frozen = False
-            self.park_frozen(False)
 
     def close(self) -> None:
         """Ends the session: the zygote sees its socket close and retires the jail (and thaws it, frozen or not, to
         let it die). Never a kill from here: a forked copy of the trainer closes its copies too. Idempotent."""
+        self._cancel_freeze()  # a freeze after the zygote's thaw would keep the jail alive
         try:
             self.sock.close()
         except OSError:
