@@ -7,6 +7,7 @@ say which), and checks the outcome against the kernel's own view (pid namespaces
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -158,16 +159,96 @@ def test_a_kill_between_calls_shows_no_earlier_output():
 
 def test_a_closed_session_is_killed_at_once():
     """Finding: closed sessions waited, stopped but holding their memory, in batches of up to 32 until the zygote
-    was idle. Now `close()` kills the jail: its pid 1 is gone without any further call to the sandbox."""
+    was idle. Now `close()` kills the jail as soon as the sandbox is quiet: its pid 1 is gone without any further
+    call to the sandbox."""
     with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
         s = sb.session()
         assert s.run("x = bytearray(50 << 20)").ok
         pid = s._proc.host_pid
         s.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 1.0
         while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not _running(pid), "the jail's pid 1 outlived close() by 5 s"
+        assert not _running(pid), "the jail's pid 1 outlived close() by 1 s in a quiet sandbox"
+
+
+class _Churn:
+    """Other completions' first calls arriving without a pause (each opens a session, runs it and closes it), as
+    in a burst: the zygote is never quiet while it runs."""
+
+    def __init__(self, sb):
+        self.sb, self.stop, self.calls = sb, threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            s = self.sb.session()
+            s.run("pass")
+            s.close()
+            self.calls += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(30)
+
+
+def test_a_session_closed_in_a_burst_waits_frozen_and_not_for_long():
+    """Stands for a GRPO burst of first calls in which completions that answered after one call close their
+    sessions: a closed session's death waits for a quiet moment (its teardown would take CPU from the first
+    calls), but while it waits nothing of it runs (a policy's timer resuming it computes nothing), and it dies
+    within `RETIRE_WAIT_S` even if the zygote is never quiet."""
+    from retool_trl.sandbox.worker import RETIRE_WAIT_S
+
+    with LocalSandbox(num_workers=2, timeout_s=10.0, preload=()) as sb:
+        s = sb.session()
+        assert s.run("pass").ok
+        if not ({"freezer", "v2"} & set(s._proc.cgroups)):
+            pytest.skip("needs a writable cgroup freezer: elsewhere a closed session is killed at once")
+        from test_sandbox_redteam4_calls import _COMPUTE_BETWEEN_CALLS, _process_cpu_s
+
+        r = s.run(_COMPUTE_BETWEEN_CALLS)  # a timer sends SIGCONT every 50 ms into a handler that spins
+        assert r.ok and "armed" in r.output, r
+        pid = s._proc.host_pid
+        with _Churn(sb) as churn:
+            time.sleep(0.05)
+            s._proc._cancel_freeze()  # closed within a few ms of its call, before the host's own freeze (parking.py)
+            s._proc._thaw()
+            before = _process_cpu_s(pid)
+            closed_at = time.monotonic()
+            s.close()
+            while _running(pid) and time.monotonic() - closed_at < 10:
+                cpu = _process_cpu_s(pid) if _running(pid) else before
+                assert cpu - before < 0.05, f"the closed session computed {cpu - before:.2f} CPU-s while it waited"
+                time.sleep(0.005)
+            gone_after = time.monotonic() - closed_at
+            calls = churn.calls
+        assert calls > 5, "the churn did not keep the zygote busy"
+        assert not _running(pid) and gone_after < RETIRE_WAIT_S + 0.5, f"the closed session lived {gone_after:.2f} s"
+
+
+def test_closed_sessions_give_their_memory_before_a_live_one_is_evicted():
+    """Stands for a burst on a node whose sandbox memory is nearly full: a session closed moments ago (waiting,
+    frozen, for a quiet moment to be killed) still holds 100 MB when a live neighbour needs more than is left. The
+    closed one goes first, thawed so that it can die; the live one keeps running and gets its memory."""
+    with LocalSandbox(num_workers=2, timeout_s=20.0, memory_mb=500, total_memory_mb=450, preload=(), spares=1) as sb:
+        closed = sb.session()
+        assert closed.run("pass").ok
+        if "memory1" not in closed._proc.cgroups or not ({"freezer", "v2"} & set(closed._proc.cgroups)):
+            pytest.skip(
+                "needs cgroup v1 memory and freezer: the sandbox-wide memory watch and a frozen closed session"
+            )
+        live = sb.session()
+        assert live.run("pass").ok
+        assert closed.run("x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096): x[i] = 1").ok
+        with _Churn(sb):
+            time.sleep(0.05)
+            closed.close()
+            r = live.run("y = bytearray(360 << 20)\nfor i in range(0, len(y), 4096): y[i] = 1\nprint(len(y))")
+        assert r.ok and r.output.strip() == str(360 << 20), r
 
 
 def _running(pid: int) -> bool:

@@ -183,6 +183,22 @@ def new_jail_cgroups(config, name, warm, made):
     return made
 
 
+def weigh(jail, nice, shares, weight):
+    """Sets a jail's CPU weight: its niceness, and its cgroup's share (in a cgroup of its own, `nice` alone would
+    weigh nothing against the running cells)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, jail.pid, nice)
+    except OSError:
+        pass
+    for kind, name, value in (("cpu", "cpu.shares", shares), ("v2", "cpu.weight", weight)):
+        path = jail.cgroup_kinds.get(kind)
+        if path and os.path.exists(os.path.join(path, name)):
+            try:
+                write_file(os.path.join(path, name), str(value))
+            except OSError:
+                pass
+
+
 def rmdir_quietly(path) -> bool:
     """Removes an empty directory (a cgroup); False while it is still busy."""
     try:
