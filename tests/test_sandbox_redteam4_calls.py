@@ -332,7 +332,7 @@ def test_without_a_freezer_a_session_that_ran_between_calls_ends_at_its_next_cal
     own error (never infrastructure) and its session is ended."""
     from retool_trl.sandbox import sweep
 
-    monkeypatch.setattr(sweep.JailSweep, "park_frozen", lambda self, frozen: False)
+    monkeypatch.setattr(sweep.JailSweep, "park_frozen", lambda self, frozen, keep=True: False)
     s = sandbox.session()
     r = s.run(_COMPUTE_BETWEEN_CALLS)
     assert r.ok and "armed" in r.output, r

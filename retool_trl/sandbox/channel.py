@@ -83,6 +83,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         "frozen",
         "park_lock",
         "park_ticket",
+        "long_parked",
         "pending",
         "status",
         "zygote_gone",
@@ -119,6 +120,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         # cancels a freeze still waiting. The lock orders the freeze against that.
         self.park_lock = threading.Lock()
         self.park_ticket = 0
+        self.long_parked = False  # its last call found it frozen (see `settle`)
         self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
         self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
 
@@ -200,6 +202,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
+        self.long_parked = self.frozen
         self._thaw()
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
         return None
@@ -321,11 +324,16 @@ class SessionProcess(JailSweep, ParkedFreeze):
             fatal=status.get("fatal") and str(status["fatal"]),
         )
         # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
-        # stopped process, not a frozen one. Frozen a moment later, unless the next call comes first (parking.py).
+        # stopped process, not a frozen one. Frozen now if its last call found it frozen (it waits for generation
+        # turns), else a moment later unless its next call comes first (parking.py).
         self.parked_cpu = self.sched_state()[1]
         with self.park_lock:
             self.park_ticket += 1
-            freeze_later(self, self.park_ticket)
+            ticket = self.park_ticket
+        if self.long_parked:
+            self.freeze_parked(ticket)
+        else:
+            freeze_later(self, ticket)
         if quiet is False:
             reply.update(ok=False, fatal="leftover processes")
             reply["error"] += "SystemError: processes the cell started could not be stopped\n"

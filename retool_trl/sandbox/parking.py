@@ -2,11 +2,12 @@
 
 A session stopped with SIGSTOP at the end of its call can be resumed by any signal its cell arranged (a POSIX timer
 sending SIGCONT), and then compute between calls; a frozen cgroup cannot run at all. But a cgroup v1 freeze and the
-thaw at the next call cost about 0.08 ms each, which doubled the cost of calls made back to back (a completion's
-code blocks often come within a millisecond of each other in a batched rollout, and always in the pool benchmark).
-So `SessionProcess.settle` only stops the session and hands it here; this thread freezes it `FREEZE_AFTER_S` later
-unless its next call has begun by then. What a stopped session can do inside that window is bounded: at most
-`FREEZE_AFTER_S` of CPU per call it made (its next call also checks that it did not compute past a few clock ticks,
+thaw at the next call cost about 0.08 ms each, a third of a short call made right after the last one (a session's
+cells run in a row, as the sandbox server's clients and the pool benchmark make them). So `SessionProcess.settle`
+freezes at once only a session whose last call found it frozen (it waits for generation turns, and would be frozen
+anyway); any other it only stops and hands here, and this thread freezes it `FREEZE_AFTER_S` later unless its next
+call has begun by then. What a stopped session can do inside that window is bounded: at most `FREEZE_AFTER_S` of
+CPU per call it made (its next call also checks that it did not compute past a few clock ticks,
 `SessionProcess.ran_while_parked`), and whatever it forks in the window is frozen with it and counted against its
 next call's CPU budget.
 """
@@ -28,11 +29,16 @@ def fatal_signal_pending(pid: int) -> bool:
     """Whether a SIGKILL is pending for the process: one frozen after it was sent would not die until thawed (the
     zygote's memory watch kills a parked session and thaws it; a freeze landing after that thaw would keep it)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
-                    return True
-    except (OSError, ValueError, IndexError):
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 8192)
+        finally:
+            os.close(fd)
+        for key in (b"\nSigPnd:", b"\nShdPnd:"):
+            at = text.index(key) + len(key)
+            if int(text[at : text.index(b"\n", at)], 16) & _SIGKILL_BIT:
+                return True
+    except (OSError, ValueError):
         pass
     return False
 
@@ -44,19 +50,18 @@ class ParkedFreeze:
     __slots__ = ()
 
     def freeze_parked(self, ticket: int) -> None:
-        """Freezes the parked session's jail (called from parking.py's thread), unless a call, kill or close came
-        since it was parked (`ticket` is then stale). A session the zygote is killing (a pending SIGKILL: its
+        """Freezes the parked session's jail (from `settle`, or this module's thread), unless a call, kill or close
+        came since it was parked (`ticket` is then stale). A session the zygote is killing (a pending SIGKILL: its
         memory watch kills and thaws a parked session) is left thawed, or it would not die."""
         with self.park_lock:
             if ticket != self.park_ticket or self.closed or self.frozen:
                 return
-            released = not self.proc_fds  # see `release_files`: the freezer's file is then not kept either
-            self.frozen = self.park_frozen(True)
+            # A session whose files were released (see `release_files`) gets its freezer's file opened for this
+            # write only, not kept.
+            self.frozen = self.park_frozen(True, keep=bool(self.proc_fds))
             if self.frozen and fatal_signal_pending(self.host_pid):
                 self.frozen = False
-                self.park_frozen(False)
-            if released:
-                self.release_files()
+                self.park_frozen(False, keep=bool(self.proc_fds))
 
     def _cancel_freeze(self) -> None:
         with self.park_lock:
@@ -91,16 +96,20 @@ class _Parker:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                due = self._queue[0][0]
-                now = time.monotonic()
-                if due > now:
-                    self._cond.wait(due - now)
+                wait = self._queue[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
                     continue
-                _, session, ticket = self._queue.popleft()
-            try:
-                session.freeze_parked(ticket)
-            except Exception:  # noqa: BLE001 - a session closed meanwhile; the thread serves every other one
-                pass
+                # Everything due within the next millisecond, in one wake-up: the thread competes for the GIL with
+                # the trainer's, and a batch's sessions park within a few milliseconds of each other.
+                horizon, due = time.monotonic() + 0.001, []
+                while self._queue and self._queue[0][0] <= horizon:
+                    due.append(self._queue.popleft())
+            for _, session, ticket in due:
+                try:
+                    session.freeze_parked(ticket)
+                except Exception:  # noqa: BLE001 - a session closed meanwhile; the thread serves every other one
+                    pass
 
     def after_fork(self) -> None:
         """A forked copy of the trainer (a DataLoader worker) has no thread and none of the parent's sessions."""

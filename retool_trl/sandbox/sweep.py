@@ -88,15 +88,23 @@ class JailSweep:
         except OSError:
             return False
 
-    def park_frozen(self, frozen: bool) -> bool:
+    def park_frozen(self, frozen: bool, keep: bool = True) -> bool:
         """Freezes a parked session's whole jail until its next call (or thaws it for that call), without waiting:
         a stopped process can be resumed by a signal (a cell's POSIX timer sending SIGCONT), a frozen one cannot.
-        False where the jail has no freezer (SIGSTOP alone parks it there)."""
+        False where the jail has no freezer (SIGSTOP alone parks it there). `keep=False`: the control file is
+        opened for this write only."""
         control = freezer_control(self.cgroups)
         if control is None:
             return False
         try:
-            os.pwrite(self._proc_fd(control[0]), control[1] if frozen else control[2], 0)
+            if keep or control[0] in self.proc_fds:
+                os.pwrite(self._proc_fd(control[0]), control[1] if frozen else control[2], 0)
+            else:
+                fd = os.open(control[0], os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, control[1] if frozen else control[2])
+                finally:
+                    os.close(fd)
         except OSError:
             return False
         return True
