@@ -54,7 +54,8 @@ def conditions() -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Results files appended since the last commit do not change what is measured.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)scripts/results")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": _git("rev-parse", "--short=10", "HEAD"),
