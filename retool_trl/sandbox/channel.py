@@ -23,7 +23,7 @@ import termios
 import threading
 import time
 
-from .parking import ParkedFreeze, freeze_later
+from .parking import FREEZE_AFTER_S, ParkedFreeze, freeze_later
 from .protocol import CREDS, frame, take_frames
 from .sweep import JailSweep, stat_fields
 
@@ -84,6 +84,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         "park_lock",
         "park_ticket",
         "long_parked",
+        "parked_at",
         "pending",
         "status",
         "zygote_gone",
@@ -116,11 +117,10 @@ class SessionProcess(JailSweep, ParkedFreeze):
         self.cgroups: dict[str, str] = {}  # the jail's own cgroup directories, by kind (see cgroups.py)
         self.cpu_start: float | None = None  # the jail's CPU seconds (all its processes) when the call began
         self.frozen = False  # parked in its frozen cgroup (see `freeze_parked`): thawed for the next call
-        # A freeze waits a moment after the call (parking.py); each call, kill or close moves the ticket on, which
-        # cancels a freeze still waiting. The lock orders the freeze against that.
-        self.park_lock = threading.Lock()
-        self.park_ticket = 0
-        self.long_parked = False  # its last call found it frozen (see `settle`)
+        # A call, kill or close moves the ticket on, cancelling a freeze still waiting (parking.py), under the lock.
+        self.park_lock, self.park_ticket = threading.Lock(), 0
+        self.long_parked = True  # its call came long after the last one (see `settle`), or it is its first
+        self.parked_at: float | None = None
         self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
         self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
 
@@ -202,7 +202,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         self.cpu_start = self.cpu_seconds()
         if not self.flush():
             return "gone"
-        self.long_parked = self.frozen
+        self.long_parked = self.parked_at is None or time.monotonic() - self.parked_at > FREEZE_AFTER_S
         self._thaw()
         self.signal(signal.SIGCONT)  # after the write: it resumes with its request already there
         return None
@@ -323,10 +323,10 @@ class SessionProcess(JailSweep, ParkedFreeze):
             error=str(status.get("error") or ""),
             fatal=status.get("fatal") and str(status["fatal"]),
         )
-        # Stopped is not enough between calls: any signal the cell arranged (a POSIX timer's SIGCONT) resumes a
-        # stopped process, not a frozen one. Frozen now if its last call found it frozen (it waits for generation
-        # turns), else a moment later unless its next call comes first (parking.py).
-        self.parked_cpu = self.sched_state()[1]
+        # Stopped is not enough between calls: a signal the cell arranged (a POSIX timer's SIGCONT) resumes a stopped
+        # process, not a frozen one. Frozen now, unless its calls come back to back: then a moment later, unless its
+        # next call comes first (parking.py). A first call is taken to be followed by a generation turn.
+        self.parked_cpu, self.parked_at = self.sched_state()[1], time.monotonic()
         with self.park_lock:
             self.park_ticket += 1
             ticket = self.park_ticket
