@@ -341,3 +341,33 @@ def test_without_a_freezer_a_session_that_ran_between_calls_ends_at_its_next_cal
     nxt = s.run("print('next')")
     assert not nxt.ok and not nxt.infra_error and "between calls" in nxt.output, nxt
     assert s.broken
+
+
+def test_sessions_frozen_when_the_zygote_dies_go_with_the_sandbox():
+    """Stands for the machine's OOM killer taking the sandbox's zygote while sessions are parked frozen: nothing is
+    left to kill and thaw them, and a frozen process would hold its memory after the trainer is gone. Closing the
+    sandbox kills and thaws what is left in its jails' cgroups."""
+    import signal
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the jails' cgroups")
+    sb = LocalSandbox(num_workers=1, timeout_s=10.0, preload=())
+    s = sb.session()
+    assert s.run("x = 1").ok
+    proc = s._proc
+    if _freezer_state(proc) is None:
+        sb.close()
+        pytest.skip("needs a writable cgroup freezer: elsewhere nothing is left frozen")
+    proc._cancel_freeze()
+    assert proc.park_frozen(True)  # parked frozen, as between calls
+    pid = proc.host_pid
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        zygote = int(f.read().rsplit(b")", 1)[1].split()[1])  # the jail's parent: the zygote
+    os.kill(zygote, signal.SIGKILL)
+    time.sleep(0.2)
+    assert _process_state(pid) not in ("Z", "X"), "the frozen jail died with its zygote: nothing to test here"
+    sb.close()
+    deadline = time.monotonic() + 5
+    while _process_state(pid) not in ("Z", "X"):
+        assert time.monotonic() < deadline, "a frozen jail outlived its sandbox"
+        time.sleep(0.02)

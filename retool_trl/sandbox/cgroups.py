@@ -249,6 +249,8 @@ class SandboxCgroups:
         for kind, root in self.roots:
             if kind == "v2":  # a v2 cgroup with a process in it cannot be removed: nothing of the sandbox may stay
                 v2_kill(root, timeout_s)
+            elif kind == "freezer":
+                _v1_end_jails(Path(root))
         for root in dict.fromkeys(path for _, path in self.roots):
             while True:
                 try:
@@ -397,6 +399,26 @@ def _v2_members(path: str | os.PathLike) -> set[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def _v1_end_jails(root: Path) -> None:
+    """Kills and thaws whatever is left in the sandbox's jails (v1 freezer). The zygote ends its jails as it shuts
+    down, but a zygote that died first (killed by the machine's OOM killer, say) leaves its parked sessions frozen:
+    a frozen process dies only once thawed, and would hold its memory after the trainer is gone."""
+    for jail in root.glob("*/"):
+        try:
+            pids = [int(p) for p in (jail / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            (jail / "freezer.state").write_text("THAWED")
+        except OSError:
+            pass
 
 
 def _remove_stale(parent: Path) -> None:
