@@ -4,9 +4,9 @@ A session stopped with SIGSTOP at the end of its call can be resumed by any sign
 sending SIGCONT), and then compute between calls; a frozen cgroup cannot run at all. But a cgroup v1 freeze and the
 thaw at the next call cost about 0.08 ms each, a third of a short call made right after the last one (a session's
 cells run in a row, as the sandbox server's clients and the pool benchmark make them). So `SessionProcess.settle`
-freezes at once only a session whose last call found it frozen (it waits for generation turns, and would be frozen
-anyway); any other it only stops and hands here, and this thread freezes it `FREEZE_AFTER_S` later unless its next
-call has begun by then. What a stopped session can do inside that window is bounded: at most `FREEZE_AFTER_S` of
+freezes a session at once after its first call or one that came long after the last (it waits for generation turns
+between calls); a session whose call came within `FREEZE_AFTER_S` of its last one it only stops and hands here, and
+this thread freezes it `FREEZE_AFTER_S` later unless its next call has begun by then. What a stopped session can do inside that window is bounded: at most `FREEZE_AFTER_S` of
 CPU per call it made (its next call also checks that it did not compute past a few clock ticks,
 `SessionProcess.ran_while_parked`), and whatever it forks in the window is frozen with it and counted against its
 next call's CPU budget.
