@@ -6,10 +6,10 @@ thaw at the next call cost about 0.08 ms each, a third of a short call made righ
 cells run in a row, as the sandbox server's clients and the pool benchmark make them). So `SessionProcess.settle`
 freezes a session at once after its first call or one that came long after the last (it waits for generation turns
 between calls); a session whose call came within `FREEZE_AFTER_S` of its last one it only stops and hands here, and
-this thread freezes it `FREEZE_AFTER_S` later unless its next call has begun by then. What a stopped session can do inside that window is bounded: at most `FREEZE_AFTER_S` of
-CPU per call it made (its next call also checks that it did not compute past a few clock ticks,
-`SessionProcess.ran_while_parked`), and whatever it forks in the window is frozen with it and counted against its
-next call's CPU budget.
+this thread freezes it `FREEZE_AFTER_S` later unless its next call has begun by then. What a stopped session can do
+inside that window is bounded: at most `FREEZE_AFTER_S` of CPU per call it made (its next call also checks that it
+did not compute past a few clock ticks, `SessionProcess.ran_while_parked`), and whatever it forks in the window is
+frozen with it and counted against its next call's CPU budget.
 """
 
 from __future__ import annotations
