@@ -21,6 +21,7 @@ from vllm_serve import local_command
 
 from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
 from retool_trl.rollout.per_completion import CompletionsEngine
+from retool_trl.sandbox.base import SandboxWrapper
 
 CALLS = (2, 3, 4)
 TOOL_CALL = '<tool_call>\n{"name": "work", "arguments": {}}\n</tool_call>'
@@ -163,7 +164,7 @@ def make_workload(
     return rows
 
 
-class Latencies:
+class Latencies(SandboxWrapper):
     """The real sandbox, with `work(kind)` run as a cell that sleeps a latency and prints the call's number k.
 
     The k-th call of a session sleeps the k-th latency of a completion of that kind: the n-th session of a kind to
@@ -171,20 +172,13 @@ class Latencies:
     sessions are ordered, every mode gets the same completions with the same latencies."""
 
     def __init__(self, inner, workload):
-        self.inner = inner
+        super().__init__(inner)
         self.of_kind: dict = {}
         for row in workload:
             self.of_kind.setdefault(row["kind"], []).append(row["latencies"])
         self.started = dict.fromkeys(self.of_kind, 0)  # sessions of each kind so far
         self.sessions: dict = {}  # id(session) -> [latencies, calls so far]
         self.lock = threading.Lock()
-
-    def session(self):
-        return self.inner.session()
-
-    def reserve(self, n):
-        """Passed on, as the trainer's sandbox gets it: the rollout prepares its sessions' jails while it generates."""
-        self.inner.reserve(n)
 
     def run_many(self, pairs):
         cells = []
@@ -197,7 +191,7 @@ class Latencies:
                 latencies, k = self.sessions[id(session)]
                 self.sessions[id(session)][1] += 1
             cells.append((session, f"import time\ntime.sleep({latencies[k]:.4f})\nprint({k})"))
-        return self.inner.run_many(cells)
+        return self.sandbox.run_many(cells)
 
 
 class ForcedEngine(CompletionsEngine):

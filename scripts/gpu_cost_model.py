@@ -28,6 +28,8 @@ import time
 import types
 from dataclasses import dataclass
 
+from retool_trl.sandbox.base import SandboxWrapper
+
 
 @dataclass(frozen=True)
 class GpuCost:
@@ -239,17 +241,12 @@ def ideal_barrier(log: dict, latencies: dict, cost: GpuCost) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ the run
-class CompletionLatencies:
+class CompletionLatencies(SandboxWrapper):
     """The real sandbox, each `work(i)` cell sleeping completion i's next latency (its k-th call, the k-th)."""
 
     def __init__(self, inner, workload):
-        self.inner, self.latencies, self.calls = inner, [row["latencies"] for row in workload], {}
-
-    def session(self):
-        return self.inner.session()
-
-    def reserve(self, n):
-        self.inner.reserve(n)
+        super().__init__(inner)
+        self.latencies, self.calls = [row["latencies"] for row in workload], {}
 
     def run_many(self, pairs):
         import re
@@ -260,7 +257,7 @@ class CompletionLatencies:
             k = self.calls.get(id(session), 0)
             self.calls[id(session)] = k + 1
             cells.append((session, f"import time\ntime.sleep({self.latencies[i][k]:.4f})\nprint({k})"))
-        return self.inner.run_many(cells)
+        return self.sandbox.run_many(cells)
 
 
 def _spread(values) -> dict:

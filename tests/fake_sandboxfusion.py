@@ -33,6 +33,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 UNREAD_OUTPUT_LIMIT = 192 * 1024
 
 
+def serve_fake():
+    """A started FakeSandboxFusion on 127.0.0.1, served from a daemon thread, for a pytest fixture (yields it and
+    shuts it down after)."""
+    srv = FakeSandboxFusion()
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
 class FakeSandboxFusion(ThreadingHTTPServer):
     """Runs each request's code in a fresh interpreter, like SandboxFusion's `run_code`; can be told to fail."""
 

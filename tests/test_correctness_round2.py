@@ -23,6 +23,7 @@ from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.rollout.turns import finish_turn
 from retool_trl.testing import FakeSandbox
+from testing_utils import trl_server_generation
 
 
 def trl_server_helper(url, monkeypatch, generation_kwargs=None):
@@ -40,22 +41,7 @@ def trl_server_helper(url, monkeypatch, generation_kwargs=None):
     client = object.__new__(VLLMClient)
     client.__dict__.update(base_url=url, session=httpx.Client(timeout=30), communicator=None, _updating_weights=False)
     client.model = client._get(f"{url}/v1/models")["data"][0]["id"]
-    helper = object.__new__(trl_vllm.VLLMGeneration)
-    helper.__dict__.update(
-        mode="server",
-        accelerator=accelerator,
-        vllm_client=client,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=None,
-        repetition_penalty=1.0,
-        max_completion_length=50,
-        logprobs=0,
-        structured_outputs_regex=None,
-        generation_kwargs=dict(generation_kwargs or {}),
-        enable_sleep_mode=False,
-    )
+    helper = trl_server_generation(accelerator, client, generation_kwargs)
     return helper, accelerator
 
 

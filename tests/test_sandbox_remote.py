@@ -2,11 +2,10 @@
 matters (tests/fake_sandboxfusion.py says how)."""
 
 import email.utils
-import threading
 import time
 
 import pytest
-from fake_sandboxfusion import FakeSandboxFusion
+from fake_sandboxfusion import serve_fake
 
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
 from retool_trl.sandbox import remote as remote_module
@@ -16,12 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def server():
-    srv = FakeSandboxFusion()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    yield from serve_fake()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from fake_sandboxfusion import FakeSandboxFusion
+from fake_sandboxfusion import serve_fake
 from sandbox_server_helpers import ServerProcess, alive, descendants
 
 from retool_trl.rollout.batched import _Row, run_cells
@@ -40,12 +40,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def fake():
-    srv = FakeSandboxFusion()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    yield from serve_fake()
 
 
 # ------------------------------------------------------------------------------------ SandboxFusion's run_code

@@ -20,7 +20,7 @@ from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.engines.vllm_server import server_engine_from_config
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
 from retool_trl.testing import FakeSandbox
-from testing_utils import make_char_tokenizer
+from testing_utils import make_char_tokenizer, trl_server_generation
 
 TOKENIZER = make_char_tokenizer(extra_chars="#")
 EOS = TOKENIZER.eos_token_id
@@ -174,22 +174,7 @@ def test_padding_rows_make_the_server_decode_nothing(monkeypatch):
     )
     # The other process: 3 rows that may call code, budget 50 (the plan this process receives from the gather).
     accelerator.gather = lambda local: torch.cat([local, torch.tensor([3, 50, 0, 0])])
-    helper = object.__new__(trl_vllm.VLLMGeneration)  # TRL's own server-mode `generate`, with a counting client
-    helper.__dict__.update(
-        mode="server",
-        accelerator=accelerator,
-        vllm_client=CountingClient(),
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=None,
-        repetition_penalty=1.0,
-        max_completion_length=50,
-        logprobs=0,
-        structured_outputs_regex=None,
-        generation_kwargs={},
-        enable_sleep_mode=False,
-    )
+    helper = trl_server_generation(accelerator, CountingClient())  # TRL's own server-mode `generate`
     backend = VLLMBackend(helper, TOKENIZER, "</code>", accelerator=accelerator)
     [out] = backend.generate_turn([ids_of("Q:")], [40], [True])
     assert len(out.token_ids) == 40 and out.logprobs == [-0.1] * 40  # this process's row, cut to its own budget

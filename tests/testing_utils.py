@@ -38,6 +38,7 @@ __all__ = [
     "ramp_reward",
     "record_rewards",
     "save_tiny_model",
+    "trl_server_generation",
     "script_turns",
     "trainer_for",
 ]
@@ -266,3 +267,27 @@ def interpreter_token_gradients(trainer, inputs) -> tuple:
     grad = grads[0][:, prompt_len - 1 : prompt_len + completion_len - 1, :]
     masked = (inputs["tool_mask"] * inputs["completion_mask"]) == 0
     return grad.float().abs().sum(dim=-1), masked
+
+
+def trl_server_generation(accelerator, client, generation_kwargs=None, max_completion_length: int = 50):
+    """TRL's own `VLLMGeneration` in server mode, built without its `__init__` (which connects and checks the
+    server): its `generate` runs as TRL wrote it, against `client` (TRL's `VLLMClient` or a stand-in)."""
+    from trl.generation import vllm_generation as trl_vllm
+
+    helper = object.__new__(trl_vllm.VLLMGeneration)
+    helper.__dict__.update(
+        mode="server",
+        accelerator=accelerator,
+        vllm_client=client,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        max_completion_length=max_completion_length,
+        logprobs=0,
+        structured_outputs_regex=None,
+        generation_kwargs=dict(generation_kwargs or {}),
+        enable_sleep_mode=False,
+    )
+    return helper

@@ -77,6 +77,45 @@ class Sandbox(Protocol):
     def close(self) -> None: ...
 
 
+class SandboxWrapper:
+    """A sandbox that wraps another and changes only some of its answers (subclasses override `run_many`):
+    sessions, `reserve`, `close` and every other attribute are the wrapped backend's.
+
+    Args:
+        sandbox: The wrapped backend (`session()`, `run_many()`, `close()`; `reserve()` where it has one).
+    """
+
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+
+    def __getattr__(self, name):
+        # Only reached for attributes the wrapper lacks (`num_workers`, ...); not during copying or unpickling,
+        # before `sandbox` is set.
+        if "sandbox" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["sandbox"], name)
+
+    def session(self):
+        return self.sandbox.session()
+
+    def reserve(self, n: int) -> None:
+        reserve = getattr(self.sandbox, "reserve", None)
+        if callable(reserve):
+            reserve(n)
+
+    def run_many(self, pairs):
+        return self.sandbox.run_many(pairs)
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class SessionBase:
     """What sessions of every backend share: the closed/broken state and `run` through the sandbox's `run_many`."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .base import ExecResult
+from .base import ExecResult, SandboxWrapper
 
 ERROR_FORMATS = ("traceback", "last_line")
 
@@ -21,7 +21,7 @@ def cell_too_long_error(max_chars: int) -> str:
     return f"CellTooLong: over {max_chars} chars\n"
 
 
-class CellLimits:
+class CellLimits(SandboxWrapper):
     """A sandbox that refuses cells over `max_cell_chars` and, with `errors="last_line"`, reports a failing cell by
     its last line. Sessions, `reserve` and everything else are the wrapped backend's.
 
@@ -36,24 +36,9 @@ class CellLimits:
             raise ValueError(f"max_cell_chars must be >= 1 or None, got {max_cell_chars}.")
         if errors not in ERROR_FORMATS:
             raise ValueError(f"errors must be one of {ERROR_FORMATS}, got {errors!r}.")
-        self.sandbox = sandbox
+        super().__init__(sandbox)
         self.max_cell_chars = max_cell_chars
         self.errors = errors
-
-    def __getattr__(self, name):
-        # Only reached for attributes this wrapper lacks (`num_workers`, ...); not during copying or unpickling,
-        # before `sandbox` is set.
-        if "sandbox" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["sandbox"], name)
-
-    def reserve(self, n: int) -> None:
-        reserve = getattr(self.sandbox, "reserve", None)
-        if callable(reserve):
-            reserve(n)
-
-    def session(self):
-        return self.sandbox.session()
 
     def run_many(self, pairs: Iterable[tuple[object, str]]) -> list[ExecResult]:
         pairs = list(pairs)
@@ -76,15 +61,6 @@ class CellLimits:
                 )
             results.append(result)
         return results
-
-    def close(self) -> None:
-        self.sandbox.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def with_cell_limits(sandbox, args):

@@ -25,6 +25,7 @@ import logging
 import threading
 
 from ..errors import UserError, one_line
+from ..sandbox.base import SandboxWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +39,12 @@ class SandboxUnavailableError(UserError):
     The message names what the sandbox reported (its refusal and fix, or the service's error), on one line."""
 
 
-class WatchedSandbox:
+class WatchedSandbox(SandboxWrapper):
     """A sandbox whose answers are counted by a [`SandboxHealth`]; everything else is the wrapped backend's."""
 
     def __init__(self, sandbox, health: SandboxHealth):
-        self.sandbox = sandbox
+        super().__init__(sandbox)
         self.health = health
-
-    def __getattr__(self, name):
-        if "sandbox" not in self.__dict__:  # copying or unpickling, before `sandbox` is set
-            raise AttributeError(name)
-        return getattr(self.__dict__["sandbox"], name)
-
-    def session(self):
-        return self.sandbox.session()
-
-    def reserve(self, n: int) -> None:
-        reserve = getattr(self.sandbox, "reserve", None)
-        if callable(reserve):
-            reserve(n)
 
     def run_many(self, pairs):
         pairs = list(pairs)
@@ -68,15 +56,6 @@ class WatchedSandbox:
         failed = [result.output for result in results if result.infra_error]
         self.health.record(len(results), len(failed), failed[0] if failed else None)
         return results
-
-    def close(self) -> None:
-        self.sandbox.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class SandboxHealth:
