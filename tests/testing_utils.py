@@ -3,8 +3,10 @@ helper, and the assertions several test files share. Not part of the package."""
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -24,6 +26,7 @@ from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 __all__ = [
     "MASK_LOSS_TYPES",
+    "PROBLEMS_ARGS",
     "TOOL_SCRIPTS",
     "FakeSandbox",
     "FakeVLLMGeneration",
@@ -41,6 +44,7 @@ __all__ = [
     "trl_server_generation",
     "script_turns",
     "trainer_for",
+    "write_problems",
 ]
 
 
@@ -55,6 +59,20 @@ TOOL_SCRIPTS = [
 
 # TRL loss types whose interpreter-token gradient is checked (tests/test_trainer.py, scripts/gpu_check.py).
 MASK_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+
+
+# The command-line arguments that read a `write_problems` file: its two columns, plain prompts, no system prompt.
+PROBLEMS_ARGS = (
+    *("--prompt_column", "question", "--answer_column", "final"),
+    *("--prompt_format", "plain", "--system_prompt", "none"),
+)
+
+
+def write_problems(path: Path, n: int = 8) -> None:
+    """`n` problems "What is i+i?" with their answers, as JSON lines in the columns `PROBLEMS_ARGS` names."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"What is {i}+{i}?\n", "final": str(2 * i)}) + "\n")
 
 
 def ramp_reward(completions, **kwargs):
