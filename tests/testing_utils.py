@@ -38,6 +38,7 @@ __all__ = [
     "make_char_tokenizer",
     "make_closed_vocab_tokenizer",
     "make_tiny_qwen2",
+    "most_at_once",
     "ramp_reward",
     "record_rewards",
     "save_tiny_model",
@@ -285,6 +286,17 @@ def interpreter_token_gradients(trainer, inputs) -> tuple:
     grad = grads[0][:, prompt_len - 1 : prompt_len + completion_len - 1, :]
     masked = (inputs["tool_mask"] * inputs["completion_mask"]) == 0
     return grad.float().abs().sum(dim=-1), masked
+
+
+def most_at_once(spans, slack_s: float = 0.0) -> int:
+    """The largest number of (start, end) spans that overlap at one moment, each trimmed by `slack_s` at both ends
+    (a cell's own clock reads are not its admission and settling); the sandbox admission tests count with it."""
+    edges = sorted([(a + slack_s, 1) for a, b in spans] + [(b - slack_s, -1) for a, b in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def trl_server_generation(accelerator, client, generation_kwargs=None, max_completion_length: int = 50):
