@@ -41,6 +41,7 @@ __all__ = [
     "most_at_once",
     "ramp_reward",
     "record_rewards",
+    "reply_json",
     "save_tiny_model",
     "trl_server_generation",
     "script_turns",
@@ -297,6 +298,16 @@ def most_at_once(spans, slack_s: float = 0.0) -> int:
         now += step
         most = max(most, now)
     return most
+
+
+def reply_json(handler, status: int, body) -> None:
+    """Answers an `http.server` request with `body` as JSON (the replies of the tests' stand-ins for vLLM's server)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def trl_server_generation(accelerator, client, generation_kwargs=None, max_completion_length: int = 50):
