@@ -181,17 +181,28 @@ class Latencies(SandboxWrapper):
         self.lock = threading.Lock()
 
     def run_many(self, pairs):
-        cells = []
-        for session, code in pairs:
-            kind = int(re.fullmatch(r"work\((\d+)\)", code.strip()).group(1))
-            with self.lock:
-                if id(session) not in self.sessions:
-                    self.sessions[id(session)] = [self.of_kind[kind][self.started[kind]], 0]
-                    self.started[kind] += 1
-                latencies, k = self.sessions[id(session)]
-                self.sessions[id(session)][1] += 1
-            cells.append((session, f"import time\ntime.sleep({latencies[k]:.4f})\nprint({k})"))
-        return self.sandbox.run_many(cells)
+        return self.sandbox.run_many(sleep_cells(pairs, self.latency))
+
+    def latency(self, session, kind: int) -> tuple[float, int]:
+        """The latency of `session`'s next call and that call's number k."""
+        with self.lock:
+            if id(session) not in self.sessions:
+                self.sessions[id(session)] = [self.of_kind[kind][self.started[kind]], 0]
+                self.started[kind] += 1
+            latencies, k = self.sessions[id(session)]
+            self.sessions[id(session)][1] += 1
+        return latencies[k], k
+
+
+def sleep_cells(pairs, latency) -> list:
+    """The cells really run for the workload's `work(n)` calls (`Latencies` here, `CompletionLatencies` of the GPU
+    cost model): each sleeps the seconds `latency(session, n)` gives and prints the call's number k, which it gives
+    too (it counts the session's calls)."""
+    cells = []
+    for session, code in pairs:
+        seconds, k = latency(session, int(re.fullmatch(r"work\((\d+)\)", code.strip()).group(1)))
+        cells.append((session, f"import time\ntime.sleep({seconds:.4f})\nprint({k})"))
+    return cells
 
 
 class ForcedEngine(CompletionsEngine):

@@ -249,15 +249,15 @@ class CompletionLatencies(SandboxWrapper):
         self.latencies, self.calls = [row["latencies"] for row in workload], {}
 
     def run_many(self, pairs):
-        import re
+        from bench_async_parts import sleep_cells
 
-        cells = []
-        for session, code in pairs:
-            i = int(re.fullmatch(r"work\((\d+)\)", code.strip()).group(1))
-            k = self.calls.get(id(session), 0)
-            self.calls[id(session)] = k + 1
-            cells.append((session, f"import time\ntime.sleep({self.latencies[i][k]:.4f})\nprint({k})"))
-        return self.sandbox.run_many(cells)
+        return self.sandbox.run_many(sleep_cells(pairs, self.latency))
+
+    def latency(self, session, i: int) -> tuple[float, int]:
+        """The latency of `session`'s next call (completion `i`'s k-th) and k."""
+        k = self.calls.get(id(session), 0)
+        self.calls[id(session)] = k + 1
+        return self.latencies[i][k], k
 
 
 def _spread(values) -> dict:

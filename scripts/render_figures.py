@@ -57,6 +57,12 @@ def fig(line: dict, key: str, fmt: str = ".2f", bold: bool = False) -> str:
     return text
 
 
+def slashed(line: dict, keys, fmt: str) -> str:
+    """The figures of `keys` in one cell, `a / b / c`; "—" when the first is not in the line."""
+    values = [line.get(k) for k in keys]
+    return "—" if values[0] is None else " / ".join(num(v, fmt) for v in values)
+
+
 def walls(line: dict, prefix: str, keys=("barrier", "async", "floor")) -> str:
     values = [line.get(f"{prefix}{k}_seconds") for k in keys]
     return " / ".join(num(v) for v in values) if any(v is not None for v in values) else "—"
@@ -178,19 +184,15 @@ VLLM = Table(
         ("engine calls per rollout", lambda r: num(r.get("engine_calls"), "d")),
         (
             "engine steps: rollout / plain (same tokens)",
-            lambda r: _pair(r, "rollout_engine_steps", "plain_engine_steps"),
+            lambda r: slashed(r, ("rollout_engine_steps", "plain_engine_steps"), "d"),
         ),
         (
             "tokens prefilled: rollout / plain (same tokens)",
-            lambda r: _pair(r, "rollout_prefill_tokens", "plain_prefill_tokens"),
+            lambda r: slashed(r, ("rollout_prefill_tokens", "plain_prefill_tokens"), "d"),
         ),
         ("engine start (once per training run), s", lambda r: num(r.get("engine_start_s"), ".1f")),
     ],
 )
-
-
-def _pair(r: dict, a: str, b: str, fmt: str = "d") -> str:
-    return "—" if r.get(a) is None else f"{num(r.get(a), fmt)} / {num(r.get(b), fmt)}"
 
 
 ASYNC = Table(
@@ -310,8 +312,7 @@ CPU_LOAD = Table(
 
 def _trio(r: dict, prefix: str, max_: bool = True) -> str:
     keys = ["p50_ms", "p99_ms"] + (["max_ms"] if max_ else [])
-    values = [r.get(f"{prefix}_{k}") for k in keys]
-    return "—" if values[0] is None else " / ".join(num(v, ".0f") for v in values)
+    return slashed(r, [f"{prefix}_{k}" for k in keys], ".0f")
 
 
 def readme_table(directory: Path) -> str:

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from retool_trl import ReToolConfig
 from retool_trl.data.synthetic import make_arithmetic_dataset
 from retool_trl.quickstart import model_path
+from testing_utils import reply_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package; as test_gpu_check.py imports its modules
@@ -159,7 +160,7 @@ class RefusingProxy:
                 if busy:
                     self.events.append(("reset", time.monotonic(), 409))
             if busy:
-                self._reply(handler, 409, {"error": {"message": f"{busy} requests are running", "code": 409}})
+                reply_json(handler, 409, {"error": {"message": f"{busy} requests are running", "code": 409}})
                 return
         completions = path.startswith("/v1/completions")
         if completions:
@@ -188,17 +189,6 @@ class RefusingProxy:
         if path.startswith("/reset_prefix_cache"):
             with self.lock:
                 self.events.append(("reset", time.monotonic(), status))
-
-    @staticmethod
-    def _reply(handler, status: int, body: dict) -> None:
-        import json
-
-        data = json.dumps(body).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
 
     def close(self) -> None:
         self.httpd.shutdown()

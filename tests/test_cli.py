@@ -17,7 +17,13 @@ from retool_trl.cli import sft as cli_sft
 from retool_trl.cli import train as cli_train
 from retool_trl.format.parsing import remove_spans
 from retool_trl.models.tokenizers import load_tokenizer
-from testing_utils import make_char_tokenizer, make_closed_vocab_tokenizer, save_tiny_model
+from testing_utils import (
+    PROBLEMS_ARGS,
+    make_char_tokenizer,
+    make_closed_vocab_tokenizer,
+    save_tiny_model,
+    write_problems,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS_MODULE = '''
@@ -42,9 +48,7 @@ def work(tmp_path_factory):
     nopad = make_char_tokenizer()
     nopad.pad_token = None
     save_tiny_model(root / "nopad_model", nopad)
-    with open(root / "problems.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"What is {i}+{i}?\n", "final": str(2 * i)}) + "\n")
+    write_problems(root / "problems.jsonl")
     with open(root / "traces.jsonl", "w") as f:
         for i in range(6):
             completion = f"<code>print({i}*7)</code><interpreter>{i * 7}\n</interpreter>\\boxed{{{i * 7}}}"
@@ -238,14 +242,7 @@ def test_eval_writes_json_and_markdown(work, tmp_path, capsys):
             str(work / "model"),
             "--dataset",
             str(work / "problems.jsonl"),
-            "--prompt_column",
-            "question",
-            "--answer_column",
-            "final",
-            "--prompt_format",
-            "plain",
-            "--system_prompt",
-            "none",
+            *PROBLEMS_ARGS,
             "--num-samples",
             "2",
             "--max_samples",

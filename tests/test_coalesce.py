@@ -22,6 +22,7 @@ from test_turn_engines import EOS, TOKENIZER, Script, ids_of
 from retool_trl.rollout.batched import RolloutSpec
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.testing import FakeSandbox
+from testing_utils import reply_json
 
 SPEC = RolloutSpec(max_completion_length=300, eos_token_ids=[EOS], max_tool_calls=3)
 TEXTS = [
@@ -79,12 +80,7 @@ class StreamingServer:
                 {"index": i, "token_ids": out, "logprobs": {"token_logprobs": [-t / 100 for t in out]}}
                 for i, out in enumerate(outputs)
             ]
-            data = json.dumps({"choices": choices}).encode()
-            handler.send_response(200)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            handler.wfile.write(data)
+            reply_json(handler, 200, {"choices": choices})
             return
         handler.send_response(200)
         handler.send_header("Content-Type", "text/event-stream; charset=utf-8")

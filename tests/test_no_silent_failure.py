@@ -19,7 +19,14 @@ import pytest
 from retool_trl.sandbox import ExecResult, LocalSandbox
 from retool_trl.testing import FakeSandbox
 from retool_trl.training.sandbox_health import SandboxUnavailableError
-from testing_utils import make_char_tokenizer, record_rewards, save_tiny_model, trainer_for
+from testing_utils import (
+    PROBLEMS_ARGS,
+    make_char_tokenizer,
+    record_rewards,
+    save_tiny_model,
+    trainer_for,
+    write_problems,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
@@ -30,9 +37,7 @@ TORCHRUN_PATH = Path(sys.executable).with_name("torchrun")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("nosilent")
     save_tiny_model(root / "model", make_char_tokenizer())
-    with open(root / "problems.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"What is {i}+{i}?\n", "final": str(2 * i)}) + "\n")
+    write_problems(root / "problems.jsonl")
     return root
 
 
@@ -74,14 +79,7 @@ def train_args(work, out: Path, *extra) -> list[str]:
         str(work / "model"),
         "--dataset_name",
         str(work / "problems.jsonl"),
-        "--prompt_column",
-        "question",
-        "--answer_column",
-        "final",
-        "--prompt_format",
-        "plain",
-        "--system_prompt",
-        "none",
+        *PROBLEMS_ARGS,
         "--output_dir",
         str(out),
         "--per_device_train_batch_size",
@@ -119,8 +117,8 @@ def test_eval_stops_when_the_code_execution_service_is_down(work, tmp_path):
     out = tmp_path / "eval"
     done = cli(
         *("eval", "--model", str(work / "model"), "--dataset", str(work / "problems.jsonl")),
-        *("--prompt_column", "question", "--answer_column", "final", "--prompt_format", "plain"),
-        *("--system_prompt", "none", "--max_samples", "2", "--max_completion_length", "12"),
+        *PROBLEMS_ARGS,
+        *("--max_samples", "2", "--max_completion_length", "12"),
         *("--sandbox_backend", "remote", "--sandbox_url", url, "--output_dir", str(out)),
     )
     assert_one_line_refusal(done, "eval", "evaluation stops", "the code execution service failed")

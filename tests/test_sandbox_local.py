@@ -211,17 +211,6 @@ BURN_CELL = (
 )
 
 
-def _most_at_once(spans, slack_s=0.02):
-    """The largest number of (start, end) spans that overlap at one moment, each trimmed by `slack_s` at both ends
-    (a cell's clock reads are not its admission and settling)."""
-    edges = sorted([(a + slack_s, 1) for a, b in spans] + [(b - slack_s, -1) for a, b in spans])
-    most = now = 0
-    for _, step in edges:
-        now += step
-        most = max(most, now)
-    return most
-
-
 def test_cpu_bound_first_calls_from_many_threads_do_not_oversubscribe_the_workers():
     """Stands for an async rollout's burst: every completion's thread makes its session's first call at the same
     moment. Each admission counts the slots taken before it, so the burst cannot all see the same free slots (and run
@@ -240,7 +229,9 @@ def test_cpu_bound_first_calls_from_many_threads_do_not_oversubscribe_the_worker
 
         with ThreadPoolExecutor(8) as pool:
             spans = list(pool.map(first_call, range(8)))
-    assert _most_at_once(spans) <= 2, sorted(spans)
+    from testing_utils import most_at_once  # here: the other sandbox tests need no tokenizers or transformers
+
+    assert most_at_once(spans, slack_s=0.02) <= 2, sorted(spans)
 
 
 def test_threads_waiting_for_a_slot_get_it_in_the_order_they_came():

@@ -271,20 +271,13 @@ print(start, time.time())
 """
 
 
-def _most_at_once(spans: list[tuple[float, float]]) -> int:
-    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
-    running = most = 0
-    for _, step in edges:
-        running += step
-        most = max(most, running)
-    return most
-
-
 def test_cells_computing_in_bursts_are_not_all_admitted_at_once():
     """Attack: a policy whose cells compute in short bursts (a quarter of the time, in a child) so that no instant
     look sees them busy: all of a batch's cells are admitted at once on 2 CPUs, and the neighbours' cells run 4-5x
     slower and time out. CPU use is measured over a window and counted in proportion: 24 such cells on
     `num_workers=2` run at most about 8 at a time (8 quarters make 2 CPUs), never all 24."""
+    from testing_utils import most_at_once  # here, as the other imports of testing_utils in this file
+
     if os.geteuid() != 0:
         pytest.skip("needs root: a jail's CPU (all its processes) is counted through its own cgroup only as root")
     with LocalSandbox(num_workers=2, timeout_s=60.0, preload=()) as sb:
@@ -293,7 +286,7 @@ def test_cells_computing_in_bursts_are_not_all_admitted_at_once():
         results = sb.run_many([(s, _BURSTS) for s in sessions])
         assert all(r.ok for r in results), [r.output for r in results if not r.ok][:1]
         spans = [tuple(map(float, r.output.split())) for r in results]
-        most = _most_at_once(spans)
+        most = most_at_once(spans)
         assert most <= 12, f"{most} bursty cells ran at once on num_workers=2"
 
 

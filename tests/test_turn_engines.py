@@ -20,7 +20,7 @@ from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.engines.vllm_server import server_engine_from_config
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
 from retool_trl.testing import FakeSandbox
-from testing_utils import make_char_tokenizer, trl_server_generation
+from testing_utils import make_char_tokenizer, reply_json, trl_server_generation
 
 TOKENIZER = make_char_tokenizer(extra_chars="#")
 EOS = TOKENIZER.eos_token_id
@@ -74,22 +74,16 @@ class SlowServer:
             def log_message(self, *args):
                 pass
 
-            def _reply(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):
-                self._reply({"data": [{"id": "policy"}]})
+                reply_json(self, 200, {"data": [{"id": "policy"}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 time.sleep(outer.delay_s)
                 ids = script.turn(body["prompt"], body["max_tokens"], body.get("stop") or [])
-                self._reply({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]})
+                reply_json(
+                    self, 200, {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]}
+                )
 
         self.delay_s = delay_s
         self.httpd = _QuietServer(("127.0.0.1", 0), Handler)

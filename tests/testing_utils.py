@@ -3,8 +3,10 @@ helper, and the assertions several test files share. Not part of the package."""
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -24,6 +26,7 @@ from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 __all__ = [
     "MASK_LOSS_TYPES",
+    "PROBLEMS_ARGS",
     "TOOL_SCRIPTS",
     "FakeSandbox",
     "FakeVLLMGeneration",
@@ -35,12 +38,15 @@ __all__ = [
     "make_char_tokenizer",
     "make_closed_vocab_tokenizer",
     "make_tiny_qwen2",
+    "most_at_once",
     "ramp_reward",
     "record_rewards",
+    "reply_json",
     "save_tiny_model",
     "trl_server_generation",
     "script_turns",
     "trainer_for",
+    "write_problems",
 ]
 
 
@@ -55,6 +61,20 @@ TOOL_SCRIPTS = [
 
 # TRL loss types whose interpreter-token gradient is checked (tests/test_trainer.py, scripts/gpu_check.py).
 MASK_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+
+
+# The command-line arguments that read a `write_problems` file: its two columns, plain prompts, no system prompt.
+PROBLEMS_ARGS = (
+    *("--prompt_column", "question", "--answer_column", "final"),
+    *("--prompt_format", "plain", "--system_prompt", "none"),
+)
+
+
+def write_problems(path: Path, n: int = 8) -> None:
+    """`n` problems "What is i+i?" with their answers, as JSON lines in the columns `PROBLEMS_ARGS` names."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"What is {i}+{i}?\n", "final": str(2 * i)}) + "\n")
 
 
 def ramp_reward(completions, **kwargs):
@@ -267,6 +287,27 @@ def interpreter_token_gradients(trainer, inputs) -> tuple:
     grad = grads[0][:, prompt_len - 1 : prompt_len + completion_len - 1, :]
     masked = (inputs["tool_mask"] * inputs["completion_mask"]) == 0
     return grad.float().abs().sum(dim=-1), masked
+
+
+def most_at_once(spans, slack_s: float = 0.0) -> int:
+    """The largest number of (start, end) spans that overlap at one moment, each trimmed by `slack_s` at both ends
+    (a cell's own clock reads are not its admission and settling); the sandbox admission tests count with it."""
+    edges = sorted([(a + slack_s, 1) for a, b in spans] + [(b - slack_s, -1) for a, b in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def reply_json(handler, status: int, body) -> None:
+    """Answers an `http.server` request with `body` as JSON (the replies of the tests' stand-ins for vLLM's server)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def trl_server_generation(accelerator, client, generation_kwargs=None, max_completion_length: int = 50):

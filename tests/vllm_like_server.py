@@ -22,6 +22,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from testing_utils import reply_json
+
 
 class VLLMLikeServer:
     def __init__(self, scripts: dict, tokenizer, max_model_len: int = 64, nan_logprob_at: int | None = None):
@@ -35,19 +37,11 @@ class VLLMLikeServer:
             def log_message(self, *args):
                 pass
 
-            def reply(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):
                 if self.path.startswith("/v1/models"):
-                    self.reply(200, {"data": [{"id": "policy", "max_model_len": outer.max_model_len}]})
+                    reply_json(self, 200, {"data": [{"id": "policy", "max_model_len": outer.max_model_len}]})
                 else:  # /health
-                    self.reply(200, {})
+                    reply_json(self, 200, {})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -55,9 +49,9 @@ class VLLMLikeServer:
                     with outer.lock:
                         busy = outer.running
                     if busy:
-                        self.reply(409, {"error": {"message": f"{busy} requests are running"}})
+                        reply_json(self, 409, {"error": {"message": f"{busy} requests are running"}})
                     else:
-                        self.reply(200, {})
+                        reply_json(self, 200, {})
                     return
                 outer.complete(self, body)
 
@@ -82,7 +76,7 @@ class VLLMLikeServer:
                 )
                 with self.lock:
                     self.refused.append(body)
-                handler.reply(400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+                reply_json(handler, 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
                 return
         with self.lock:
             self.running += 1
@@ -111,7 +105,7 @@ class VLLMLikeServer:
                 }
             )
         if not body.get("stream"):
-            handler.reply(200, {"choices": choices})
+            reply_json(handler, 200, {"choices": choices})
             return
         handler.send_response(200)
         handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
