@@ -50,8 +50,7 @@ from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - the isolat
 del sys.path[:2]
 
 _REFILL_AFTER_S = 0.02  # no request for this long before pre-starting a jail: a fork stalls the zygote for a few ms
-# A closed session waits frozen, at most this long, for a quiet moment to be killed (see `retire`).
-RETIRE_WAIT_S = 0.5
+RETIRE_WAIT_S = 0.5  # the longest a closed session waits frozen for a quiet moment to be killed (see `retire`)
 _RESERVE_IDLE_S = 60.0  # jails reserved beyond the usual spares are killed once none was asked for this long
 _SETUP_ERROR_CHARS = 400
 
@@ -239,20 +238,21 @@ class _Zygote:
         self.forget(jail)
 
     def retire(self, jail):
-        """A closed session. Its death costs the kernel about 4 ms of CPU as the dying process (unmapping numpy and
-        sympy, its mounts and namespaces): in a burst where some completions close while others' first calls
-        arrive, that doubled the first calls' latency on 2 CPUs. So where a freezer holds it, it waits frozen for
-        the zygote's next quiet moment, at most `RETIRE_WAIT_S`, less when memory is tight; else killed at once."""
+        """A closed session. Its death costs about 4 ms of kernel CPU (unmapping numpy and sympy...), which in a burst
+        of first calls on 2 CPUs doubled their latency: where a freezer holds it, it waits frozen for the zygote's
+        next quiet moment (`end_dying`), less when memory is tight (`relieve`); else it is killed at once."""
         if jail.pid in self.jails and set_frozen(jail.cgroup_kinds, True):
             self.forget(jail)
             self.dying.append((time.monotonic(), jail))
         else:
             self.kill(jail)
 
-    def end_dying(self, quiet):
-        """Kills the closed sessions waiting (`retire`): all of them once the zygote is quiet, else those that
-        waited `RETIRE_WAIT_S`."""
-        while self.dying and (quiet or time.monotonic() - self.dying[0][0] >= RETIRE_WAIT_S):
+    def end_dying(self, quiet, most=16):
+        """Kills closed sessions waiting (`retire`), `most` per turn of the loop (a request waits for no more): all
+        once no request and no close came for `_REFILL_AFTER_S` (`quiet`), else those that waited `RETIRE_WAIT_S`."""
+        for _ in range(most):
+            if not self.dying or not quiet and time.monotonic() - self.dying[0][0] < RETIRE_WAIT_S:
+                break
             self.kill(self.dying.pop(0)[1])
 
     def relieve(self, memory):
@@ -263,7 +263,7 @@ class _Zygote:
                 os.read(memory.fd, 8)  # the kernel's signal, taken: looked at again once their memory is free
             except OSError:
                 pass
-            self.end_dying(quiet=True)
+            self.end_dying(quiet=True, most=len(self.dying))
             memory.recheck_at = time.monotonic() + memory.RECHECK_S
         else:
             memory.relieve(self.jails)
@@ -377,7 +377,7 @@ class _Zygote:
                     due = max(0.0, due_at - time.monotonic())
                     timeout = due if timeout is None else min(timeout, due)
             if self.dying:  # woken when the quiet moment comes
-                quiet_in = max(0.0, self.stirred + _REFILL_AFTER_S - time.monotonic())
+                quiet_in = max(0.0, max(self.stirred, self.dying[-1][0]) + _REFILL_AFTER_S - time.monotonic())
                 timeout = quiet_in if timeout is None else min(timeout, quiet_in)
             if self.config.get("session_watchdog"):
                 timeout = INTERVAL_S if timeout is None else min(timeout, INTERVAL_S)
@@ -393,7 +393,8 @@ class _Zygote:
             eager = self.target > self.config["spares"]
             if events and (not eager or any(key.data[0] == "control" for key, _ in events)):
                 self.stirred = time.monotonic()
-            self.end_dying(quiet=time.monotonic() - self.stirred >= _REFILL_AFTER_S)
+            if self.dying:  # sessions closing one after another are a burst going on, as requests are
+                self.end_dying(time.monotonic() - max(self.stirred, self.dying[-1][0]) >= _REFILL_AFTER_S)
             if refill and time.monotonic() - self.stirred >= _REFILL_AFTER_S:
                 try:
                     self.spares.append(self.fork_jail(warm=True))
