@@ -410,7 +410,7 @@ def _v1_end_jails(root: Path) -> None:
             pids = [int(p) for p in (jail / "cgroup.procs").read_text().split()]
         except (OSError, ValueError):
             continue
-        for pid in pids:
+        for pid in (p for p in pids if p > 0):  # 0: a process outside our pid namespace
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

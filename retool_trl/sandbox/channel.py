@@ -356,7 +356,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         keep them while all sessions' kept files stay under an eighth of the open-file limit; past that a parked
         session keeps only its channels and pidfd (5 descriptors instead of 9), so that hundreds of live sessions
         fit a limit of 1,024, and its next call opens them again (about 30 microseconds)."""
-        with _FDS_LOCK:  # against another thread's batch opening one of them (see `_proc_fd`)
+        with self.park_lock, _FDS_LOCK:  # against a freeze writing to one, and a batch opening one (`_proc_fd`)
             fds, self.proc_fds = list(self.proc_fds.values()), {}
             _kept_files[0] -= len(fds)
         for fd in fds:

@@ -82,14 +82,20 @@ class _Parker:
         self._queue: deque = deque()  # (due, session, ticket)
         self._thread: threading.Thread | None = None
 
-    def add(self, session, ticket: int) -> None:
+    def add(self, session, ticket: int) -> bool:
+        """Queues the freeze; False when the thread cannot be started (out of tasks): the caller freezes now."""
         with self._cond:
-            self._queue.append((time.monotonic() + FREEZE_AFTER_S, session, ticket))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="retool-sandbox-parker", daemon=True)
-                self._thread.start()
-            elif len(self._queue) == 1:
+                thread = threading.Thread(target=self._run, name="retool-sandbox-parker", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:
+                    return False
+                self._thread = thread
+            self._queue.append((time.monotonic() + FREEZE_AFTER_S, session, ticket))
+            if len(self._queue) == 1:
                 self._cond.notify()
+        return True
 
     def _run(self) -> None:
         while True:
@@ -125,4 +131,5 @@ os.register_at_fork(after_in_child=_PARKER.after_fork)
 def freeze_later(session, ticket: int) -> None:
     """Freezes `session` (`session.freeze_parked(ticket)`) once it has been parked `FREEZE_AFTER_S`; the session
     skips it when its ticket moved on (a new call began, or it closed)."""
-    _PARKER.add(session, ticket)
+    if not _PARKER.add(session, ticket):
+        session.freeze_parked(ticket)

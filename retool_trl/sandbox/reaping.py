@@ -326,7 +326,9 @@ class MemoryWatch:
                 pass
             return
         self.recheck_at = time.monotonic() + self.RECHECK_S
-        if self.doomed:
+        if self.doomed:  # thawed again: a freeze landing after the kill (the host parks sessions) would keep it
+            for pid in self.doomed:
+                set_frozen(jails[pid].cgroup_kinds, False)
             return
         held = []
         for pid, jail in jails.items():

@@ -89,7 +89,7 @@ class _Zygote:
 
     def fork_jail(self, warm):
         self.serial += 1
-        name = f"j{self.pid}-{self.serial}"
+        name = f"j{self.uid_base:x}-{self.serial}"  # unique per zygote: under bubblewrap every zygote is pid 2
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
         fds, cgroups = [], {}
         try:
@@ -258,15 +258,12 @@ class _Zygote:
     def relieve(self, memory):
         """The sandbox's memory is tight: closed sessions go first (their memory is nobody's any more), then the
         memory watch evicts the session holding the most."""
-        if self.dying:
-            try:
-                os.read(memory.fd, 8)  # the kernel's signal, taken: looked at again once their memory is free
-            except OSError:
-                pass
-            self.end_dying(quiet=True, most=len(self.dying))
-            memory.recheck_at = time.monotonic() + memory.RECHECK_S
-        else:
-            memory.relieve(self.jails)
+        closed = [jail.pid for _, jail in self.dying]
+        self.end_dying(quiet=True, most=len(closed))
+        # Waited for as any victim is (their memory is free once they are reaped), then the watch goes on as ever:
+        # closes that keep coming cannot put its eviction off for longer than their deaths take.
+        memory.doomed.update(closed)
+        memory.relieve(self.jails)
 
     def forget(self, jail):
         if jail.closed:
