@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import results_log
 
 from retool_trl.sandbox import LocalSandbox
+from retool_trl.sandbox.host.local import DEFAULT_PRELOAD
 from retool_trl.sandbox.isolation import bwrap_command, bwrap_usable, clean_env, find_bwrap
-from retool_trl.sandbox.local import DEFAULT_PRELOAD
 
 FIRST = "x = 6 * 7\nprint(x)"
 FOLLOW_UPS = ("y = x + 1\nprint(y)", "print(x * y)")

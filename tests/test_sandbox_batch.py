@@ -201,7 +201,7 @@ def test_a_session_closed_in_a_burst_waits_frozen_and_not_for_long():
     sessions: a closed session's death waits for a quiet moment (its teardown would take CPU from the first
     calls), but while it waits nothing of it runs (a policy's timer resuming it computes nothing), and it dies
     within `RETIRE_WAIT_S` even if the zygote is never quiet."""
-    from retool_trl.sandbox.worker import RETIRE_WAIT_S
+    from retool_trl.sandbox.jail.worker import RETIRE_WAIT_S
 
     with LocalSandbox(num_workers=2, timeout_s=10.0, preload=()) as sb:
         s = sb.session()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from retool_trl.sandbox.cgroups import v2_freeze, v2_kill
+from retool_trl.sandbox.host.cgroups import v2_freeze, v2_kill
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +72,7 @@ def _trainer(v2_dir: Path, script: str) -> dict:
         import json, os
         from pathlib import Path
         open({str(v2_dir / "cgroup.procs")!r}, "w").write(str(os.getpid()))
-        from retool_trl.sandbox import cgroups
+        from retool_trl.sandbox.host import cgroups
         cgroups._V1 = ()
         cgroups._V2_CONTROLLERS = ("hugetlb",)
         """

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from retool_trl.sandbox import LocalSandbox
-from retool_trl.sandbox.local import _WORKER, UnsafeSandboxError
+from retool_trl.sandbox.host.local import _WORKER, UnsafeSandboxError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -271,8 +271,8 @@ def test_tmp_is_private_bounded_and_gone_after_close(sandbox, report):
     c = sandbox.session()
     # Nothing of A's: only the scratch root, and what the interpreter needs from under /tmp (a venv there, bound in
     # read-only: a checkout under /tmp, as a CI run may use).
+    from retool_trl.sandbox.host.zygote import _WORKER
     from retool_trl.sandbox.isolation import needed_under_temp
-    from retool_trl.sandbox.zygote import _WORKER
 
     interpreter = {p.split("/")[2] for p in needed_under_temp(_WORKER) if p.startswith("/tmp/")}
     listed = c.run("import os\nprint(sorted(os.listdir('/tmp')))").output
@@ -542,7 +542,7 @@ def test_a_signal_handler_in_a_cell_works_like_in_python(sandbox):
 
 
 def test_a_jail_that_never_reaches_its_wait_is_infrastructure(monkeypatch):
-    from retool_trl.sandbox import channel
+    from retool_trl.sandbox.host import channel
 
     # As if the fresh jail never got to its wait for requests (stuck in set-up) within what the trainer waits.
     monkeypatch.setattr(channel, "SETUP_WAIT_S", 0.05)

@@ -484,7 +484,7 @@ def test_a_jail_still_setting_up_does_not_hold_a_cpu_slot(monkeypatch):
     """Stands for a reserve the machine had no CPU for (an engine keeping every core busy): a first call gets a jail
     that is not yet set up. Its thread waits for the set-up without a CPU slot, so another thread's cell runs
     meanwhile; held through the set-up, the only slot made the other wait for it."""
-    from retool_trl.sandbox import channel, local
+    from retool_trl.sandbox.host import channel, local
 
     slow, slow_until = set(), {}  # sessions whose jail is slow, and until when each jail's set-up lasts
     open_jails, waiting_point = local.LocalSandbox.open_jails, channel.SessionProcess._waiting_point

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from retool_trl.sandbox.cgroups import default_memory_mb
-from retool_trl.sandbox.node import usable_cpus
+from retool_trl.sandbox.host.cgroups import default_memory_mb
+from retool_trl.sandbox.host.node import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -148,7 +148,7 @@ def test_cpu_slots_follow_the_cgroup_cpu_quota(tmp_path):
 
 def test_a_process_started_alone_keeps_the_whole_share(monkeypatch):
     """Without a launcher (no `LOCAL_WORLD_SIZE`) nothing is divided: a single trainer keeps every usable CPU."""
-    from retool_trl.sandbox.node import node_share_cpus, node_share_memory_mb
+    from retool_trl.sandbox.host.node import node_share_cpus, node_share_memory_mb
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert node_share_cpus() == usable_cpus() and node_share_memory_mb() == default_memory_mb()

@@ -158,7 +158,7 @@ def test_a_parked_session_does_not_compute_between_calls(sandbox):
 
 
 def _freezer_state(proc) -> str | None:
-    from retool_trl.sandbox.cgroups import freezer_control
+    from retool_trl.sandbox.host.cgroups import freezer_control
 
     control = freezer_control(proc.cgroups)
     if control is None:
@@ -171,7 +171,7 @@ def test_a_parked_session_is_frozen_a_moment_after_its_call(sandbox):
     """Stands for a rollout whose next code block comes after a generation turn (tens of milliseconds or more): the
     session is frozen once it has been parked for `FREEZE_AFTER_S`, while calls made back to back (a batch's code
     blocks within a millisecond) do not pay a freeze and a thaw each. Read from the kernel's own freezer state."""
-    from retool_trl.sandbox.parking import FREEZE_AFTER_S
+    from retool_trl.sandbox.host.parking import FREEZE_AFTER_S
 
     s = sandbox.session()
     assert s.run("pass").ok
@@ -196,7 +196,7 @@ def test_a_session_killed_as_its_freeze_lands_still_dies(sandbox):
     thawed."""
     import signal
 
-    from retool_trl.sandbox.cgroups import set_frozen
+    from retool_trl.sandbox.host.cgroups import set_frozen
 
     s = sandbox.session()
     assert s.run("pass").ok
@@ -323,7 +323,7 @@ def test_without_a_freezer_a_session_that_ran_between_calls_ends_at_its_next_cal
     """Stands for a container without writable cgroups, where SIGSTOP alone parks a session (the freezer is turned
     off here): the same timer attack computes between calls, and cannot profit from it. Its next call fails as its
     own error (never infrastructure) and its session is ended."""
-    from retool_trl.sandbox import sweep
+    from retool_trl.sandbox.host import sweep
 
     monkeypatch.setattr(sweep.JailSweep, "park_frozen", lambda self, frozen, keep=True: False)
     s = sandbox.session()

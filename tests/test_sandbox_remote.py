@@ -8,7 +8,7 @@ import pytest
 from fake_sandboxfusion import serve_fake
 
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
-from retool_trl.sandbox import remote as remote_module
+from retool_trl.sandbox.remote import client as remote_module
 
 pytestmark = pytest.mark.timeout(60)
 

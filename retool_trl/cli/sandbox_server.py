@@ -61,8 +61,8 @@ def main(argv: Sequence[str]) -> int:
         config = ServerConfig(**vars(args))
     except ValueError as error:
         raise UserError(one_line(error)) from None
+    from ..sandbox.host.zygote import SandboxStartError, UnsafeSandboxError
     from ..sandbox.server.table import SessionTable
-    from ..sandbox.zygote import SandboxStartError, UnsafeSandboxError
 
     table = SessionTable(config)
     # The isolation is reported before the port opens, so that a log shows it even if the server never serves.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -210,3 +211,17 @@ def check_pairs(pairs: Iterable[tuple[Session, str]]) -> Sequence[tuple[Session,
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], str)):
             raise TypeError(f"run_many expects (session, code: str) pairs; item {i} is {type(pair).__name__}")
     return pairs
+
+
+_SIGNAL_TEXT = {
+    signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
+    signal.SIGBUS: "SystemError: the interpreter crashed with a bus error (SIGBUS)",
+    signal.SIGABRT: "SystemError: the interpreter aborted (SIGABRT)",
+    signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
+    signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
+}
+
+
+def signal_death_line(sig: int) -> str:
+    """The line that ends the output of a cell whose interpreter died from signal `sig` (both backends say it)."""
+    return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")

@@ -1,11 +1,13 @@
-"""How a jail is made here: one module per isolation level behind one small interface, and what they share.
+"""How a jail is made here. Host side: this code runs in the trainer, which picks the level and builds the zygote's
+launch; what each session applies inside runs from `..jail`. May import the standard library, `pyseccomp` and the
+shared pieces of `..jail`. One module per isolation level behind one small interface, and what they share.
 
 Each level has `launch(...) -> Launch` (how the zygote is started, what each session applies inside, what does not
 hold); `bubblewrap` and `landlock` also have a `problem` check (None when the level runs on this host, else why not).
 `isolation="auto"` takes the first that runs: bubblewrap (namespaces: a private file system and network), then
 Landlock (no privilege needed: a default container, a normal user without user namespaces), else none of them, which
-the sandbox refuses unless asked for. The jail side of each level is in `jail_setup.py` (namespaces),
-`landlock.restrict_self` and `session_process.py` (uids, rlimits, seccomp, subreaper).
+the sandbox refuses unless asked for. The jail side of each level is in `jail/jail_setup.py` (namespaces),
+`jail/landlock.py` (`restrict_self`) and `jail/session_process.py` (uids, rlimits, seccomp, subreaper).
 """
 
 from __future__ import annotations

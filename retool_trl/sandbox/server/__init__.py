@@ -1,9 +1,11 @@
-"""The sandbox server: `LocalSandbox` jails served over HTTP to trainers on other machines.
+"""The sandbox server: runs as its own service (`retool-trl sandbox-server`), serving the host side's `LocalSandbox`
+jails over HTTP to trainers on other machines; it trusts no client beyond its token. Imports `..host`, never the
+reverse.
 
 `retool-trl sandbox-server` runs `create_app(ServerConfig(...))` under uvicorn. It speaks SandboxFusion's
 `POST /run_code` (so verl's, SkyRL's and the `sandbox-fusion` client work unchanged) and offers stateful sessions of
 its own (`/sessions`), which `RemoteSandbox` uses instead of replaying a session's cells. Needs the `server` extra
-(`pip install retool-trl[server]`); the client side (`client.py`) needs only httpx.
+(`pip install -e ".[server]"` from a clone); the client side (`..remote`) needs only httpx.
 """
 
 from __future__ import annotations

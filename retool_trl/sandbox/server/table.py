@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..base import ExecResult
-from ..local import LocalSandbox, LocalSession
+from ..host.local import LocalSandbox, LocalSession
 from .config import ServerConfig
 
 __all__ = ["Full", "SessionTable", "UnknownSession"]

@@ -1,10 +1,7 @@
-"""Host side of the wire format shared with `worker.py`: a 4-byte big-endian length, then UTF-8 JSON.
-
-`worker.py` runs as a standalone script inside the sandbox and cannot import this module, so it carries its own
-twin of `frame`; JSON (never pickle) because statuses come from untrusted processes.
+"""The wire format between the host and the zygote: a 4-byte big-endian length, then UTF-8 JSON (never pickle:
+statuses come from untrusted processes). Stdlib-only, on the jail side so that both sides import the same file: the
+zygote and session processes as a sibling script module, the host as `retool_trl.sandbox.jail.wire`.
 """
-
-from __future__ import annotations
 
 import json
 import socket

@@ -12,11 +12,8 @@ import threading
 import weakref
 from collections.abc import Iterable
 
-from .base import ExecResult, SessionBase, check_pairs, refusal
-from .batch import Batch, InFlight
-from .cgroups import SandboxCgroups
-from .channel import SessionProcess
-from .isolation import (
+from ..base import ExecResult, SessionBase, check_pairs, refusal
+from ..isolation import (
     ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
     Launch,
@@ -26,6 +23,9 @@ from .isolation import (
     seccomp_program,
     warn_once,
 )
+from .batch import Batch, InFlight
+from .cgroups import SandboxCgroups
+from .channel import SessionProcess
 from .node import local_ranks, node_share_cpus, node_share_memory_mb, raise_open_file_limit
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Protocol
 
+from ..base import ExecResult, refusal
 from .admission import InFlight
-from .base import ExecResult, refusal
 from .channel import SETUP_WAIT_S, STATUS_FLOOD
 
 logger = logging.getLogger(__name__)

@@ -22,16 +22,12 @@ import sys
 import time
 import traceback
 
-# The sibling modules `cgroups.py`, `jail_setup.py`, `reaping.py` and `session_process.py`, and the isolation
-# package's `watchdog.py`: python -I puts no script directory on sys.path, and cells must not find this package's
-# modules there either, so the directories are on it for these imports only.
-sys.path[:0] = [
-    os.path.dirname(os.path.abspath(__file__)),
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation"),
-]
-from cgroups import set_frozen  # noqa: E402
+# The sibling modules of this folder (the jail side, stdlib-only): python -I puts no script directory on sys.path,
+# and cells must not find these modules there either, so the directory is on it for these imports only.
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+from freezer import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail  # noqa: E402
-from reaping import (  # noqa: E402  # noqa: E402
+from reaping import (  # noqa: E402
     FULL_WEIGHT,
     Jail,
     MemoryWatch,
@@ -44,10 +40,11 @@ from reaping import (  # noqa: E402  # noqa: E402
     send_hello,
     weigh,
 )
-from session_process import frame, session_main  # noqa: E402
-from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - the isolation package's, for hosts without cgroups
+from session_process import session_main  # noqa: E402
+from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - for hosts without cgroups
+from wire import frame  # noqa: E402
 
-del sys.path[:2]
+del sys.path[:1]
 
 _REFILL_AFTER_S = 0.02  # no request for this long before pre-starting a jail: a fork stalls the zygote for a few ms
 RETIRE_WAIT_S = 0.5  # the longest a closed session waits frozen for a quiet moment to be killed (see `retire`)

@@ -12,10 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
-from .isolation import clean_env, warn_once
-from .protocol import frame, recv_frame
+from ..isolation import clean_env, warn_once
+from ..jail.wire import frame, recv_frame
 
-_WORKER = str(Path(__file__).with_name("worker.py"))
+_WORKER = str(Path(__file__).parent.parent / "jail" / "worker.py")
 
 
 class SandboxStartError(RuntimeError):

@@ -31,19 +31,14 @@ from jail_setup import (  # a sibling script module (worker.py puts this directo
     prctl,
     write_file,
 )
-from landlock import restrict_self  # the isolation package's Landlock level (stdlib-only), a sibling script module
+from landlock import restrict_self  # the Landlock syscalls, a sibling script module
+from wire import HEADER, frame  # the host's wire format
 
-HEADER = struct.Struct("!I")
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
 REQUEST_FD, STATUS_FD, READY_FD = 3, 4, 5
 _BACKGROUND_NICE = 10
 _THIS_FILE = os.path.abspath(__file__)
 _CELL_IO_FILE = os.path.abspath(sys.modules[Capture.__module__].__file__)
-
-
-def frame(obj):
-    data = json.dumps(obj).encode()
-    return HEADER.pack(len(data)) + data
 
 
 def read_exact(fd, n):

@@ -31,11 +31,10 @@ import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from .base import ExecResult, SessionBase, check_pairs, cut_output, refusal, truncate_output
-from .remote_driver import build_driver
-from .results import signal_death_line
-from .server.client import ServiceFailure as _ServiceFailure
-from .server.client import close_remote, offers_sessions, run_remote
+from ..base import ExecResult, SessionBase, check_pairs, cut_output, refusal, signal_death_line, truncate_output
+from .driver import build_driver
+from .service import ServiceFailure as _ServiceFailure
+from .service import close_remote, offers_sessions, run_remote
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
 

@@ -12,10 +12,9 @@ import struct
 import sys
 import time
 
-from cgroups import set_frozen  # sibling script modules, as in worker.py (stdlib only)
+from freezer import set_frozen  # sibling script modules, as in worker.py (stdlib only)
 from jail_setup import libc, write_file
-
-HEADER = struct.Struct("!I")
+from wire import HEADER
 
 
 def send_hello(host, jail, frame):

@@ -7,20 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from .base import ExecResult, cut_output
-
-_SIGNAL_TEXT = {
-    signal.SIGSEGV: "SystemError: the interpreter crashed with a segmentation fault (SIGSEGV)",
-    signal.SIGBUS: "SystemError: the interpreter crashed with a bus error (SIGBUS)",
-    signal.SIGABRT: "SystemError: the interpreter aborted (SIGABRT)",
-    signal.SIGFPE: "SystemError: the interpreter crashed with a floating-point exception (SIGFPE)",
-    signal.SIGILL: "SystemError: the interpreter crashed with an illegal instruction (SIGILL)",
-}
-
-
-def signal_death_line(sig: int) -> str:
-    """The line that ends the output of a cell whose interpreter died from signal `sig` (both backends say it)."""
-    return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
+from ..base import ExecResult, cut_output, signal_death_line
 
 
 class CallResults:

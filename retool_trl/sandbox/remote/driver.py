@@ -273,4 +273,4 @@ def build_driver(cells: list[str], numbers: list[int], **config) -> str:
 @functools.cache
 def _cell_io_source() -> str:
     """`cell_io.py` as spliced into the driver: the same capture and tracebacks as a local session's."""
-    return (Path(__file__).parent / "cell_io.py").read_text()
+    return (Path(__file__).parent.parent / "jail" / "cell_io.py").read_text()

@@ -23,8 +23,8 @@ import termios
 import threading
 import time
 
+from ..jail.wire import CREDS, frame, take_frames
 from .parking import FREEZE_AFTER_S, ParkedFreeze, freeze_later
-from .protocol import CREDS, frame, take_frames
 from .sweep import JailSweep, stat_fields
 
 REQUEST_FD = 3  # the session process's request pipe (see session_process.py, which the trainer never imports)
