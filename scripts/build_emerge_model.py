@@ -18,9 +18,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from retool_trl.data.synthetic import make_sft_traces
 from retool_trl.models.tiny import build_char_tokenizer, build_tiny_model
+from retool_trl.quickstart.arithmetic import QUICKSTART_MODEL_DIR
 from retool_trl.quickstart.emerge import EMERGE_MODEL_DIR, EmergeTask
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
 
@@ -34,8 +36,14 @@ def parse_args() -> argparse.Namespace:
         default=EmergeTask().code_fraction,
         help="Share of cold-start traces that call the interpreter (0: the no-code control).",
     )
-    parser.add_argument("--num-traces", type=int, default=32000, help="Synthetic SFT traces.")
-    parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
+    parser.add_argument(
+        "--init-from",
+        default=str(QUICKSTART_MODEL_DIR),
+        help="Checkpoint to start from (default: the arithmetic quickstart's, which copies expressions and "
+        "interpreter output); 'none' for a fresh tiny model (which, with so few code traces, does not learn to copy).",
+    )
+    parser.add_argument("--num-traces", type=int, default=6400, help="Synthetic SFT traces.")
+    parser.add_argument("--max-steps", type=int, default=400, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
@@ -55,7 +63,10 @@ def main() -> None:
     started = time.perf_counter()
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=args.seed)
+    if args.init_from.lower() == "none":
+        model = build_tiny_model(tokenizer, seed=args.seed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
     print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
 
     traces = make_sft_traces(
@@ -86,6 +97,7 @@ def main() -> None:
     tokenizer.save_pretrained(args.output_dir)
     build_info = {
         "task": asdict(task),
+        "init_from": Path(args.init_from).name if args.init_from.lower() != "none" else None,
         "traces_with_code": with_code,
         "num_traces": args.num_traces,
         "max_steps": args.max_steps,
