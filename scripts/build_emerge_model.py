@@ -1,11 +1,18 @@
 """Builds the emergence quickstart checkpoint shipped in `retool_trl/assets/emerge_model/`.
 
-A fresh tiny Qwen2 with the character-level tokenizer, cold-started from scratch with `retool_trl.sft` on synthetic
-arithmetic traces of which only `code_fraction` (2.5% by default) call the interpreter; the rest answer directly.
+The arithmetic quickstart's checkpoint (same character-level tokenizer and tags; from its own cold start it copies
+an expression into `<code>print(...)</code>` and the interpreter's output into `\\boxed{}`), cold-started further
+with `retool_trl.sft` on synthetic arithmetic traces of which only `code_fraction` (2.5% by default) call the
+interpreter; the rest answer directly. This second cold start turns the habit down (from about 70% of answers to
+about 2%) and leaves the copying skill mostly in place: the checkpoint can write the code, it rarely chooses to.
 Prompt and interpreter tokens are masked from the loss. The weights are stored in float16 (the config keeps
-`dtype: float32`, so they load as float32). `--code-fraction 0` builds the control: a cold start that never saw code.
+`dtype: float32`, so they load as float32). About 3 minutes on 2 CPU cores.
 
-    python scripts/build_emerge_model.py [--output-dir DIR] [--code-fraction F] [--max-steps N]
+`--code-fraction 0` builds the control whose second cold start saw no code at all; `--init-from none` starts from a
+fresh model instead (with 2.5% code traces it never learns to copy: forced to start a code block, it writes a
+random expression, so RL has no correct code sample to reinforce).
+
+    python scripts/build_emerge_model.py [--output-dir DIR] [--code-fraction F] [--init-from DIR|none]
 """
 
 from __future__ import annotations

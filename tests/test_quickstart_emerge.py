@@ -67,7 +67,7 @@ def test_emerge_quickstart_end_to_end(tmp_path):
     written = json.loads((out / "summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert written["settings"]["task"] == "emerge" and written["model"] == emerge_model_path()
-    assert written["settings"]["lr_decay_steps"] == 20  # the task's default, not the arithmetic one
+    assert written["settings"]["lr_decay_steps"] == 60  # the task's default, not the arithmetic one
     for run in ("tool_rl", "text_rl"):
         r = written[run]
         for key in ("accuracy_before", "accuracy_after", "code_ratio_before", "code_ratio_after"):
@@ -86,7 +86,7 @@ def test_cli_lists_the_emerge_task(capsys):
 
     assert main(["quickstart", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "'emerge'" in text and "emerge: 100" in text
+    assert "'emerge'" in text and "emerge: 120" in text
 
 
 def _line(seed, label, accuracy_after, max_steps=100):

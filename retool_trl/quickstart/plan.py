@@ -25,7 +25,7 @@ MULTITURN_DEFAULTS = {
 # and a weaker KL term: `beta` 0.2 anchors the policy to a starting model that answers without code 97% of the time,
 # and in a group whose samples all call code and are right the KL term is the only force left, pulling towards that
 # habit (at 0.2 it balances the reward's push at about 90% code).
-EMERGE_DEFAULTS = {"max_steps": 100, "lr_decay_steps": 20, "beta": 0.02, "threads": 1}
+EMERGE_DEFAULTS = {"max_steps": 120, "lr_decay_steps": 60, "beta": 0.02, "threads": 1}
 TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS, "emerge": EMERGE_DEFAULTS}
 
 # The two runs differ only in whether code is executed.
