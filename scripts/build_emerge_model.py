@@ -6,7 +6,7 @@ with `retool_trl.sft` on synthetic arithmetic traces of which only `code_fractio
 interpreter; the rest answer directly. This second cold start turns the habit down (from about 70% of answers to
 about 2%) and leaves the copying skill mostly in place: the checkpoint can write the code, it rarely chooses to.
 Prompt and interpreter tokens are masked from the loss. The weights are stored in float16 (the config keeps
-`dtype: float32`, so they load as float32). About 3 minutes on 2 CPU cores.
+`dtype: float32`, so they load as float32). About 1-2 minutes on 2 CPU cores.
 
 `--code-fraction 0` builds the control whose second cold start saw no code at all; `--init-from none` starts from a
 fresh model instead (with 2.5% code traces it never learns to copy: forced to start a code block, it writes a
@@ -49,10 +49,17 @@ def parse_args() -> argparse.Namespace:
         help="Checkpoint to start from (default: the arithmetic quickstart's, which copies expressions and "
         "interpreter output); 'none' for a fresh tiny model (which, with so few code traces, does not learn to copy).",
     )
-    parser.add_argument("--num-traces", type=int, default=6400, help="Synthetic SFT traces.")
-    parser.add_argument("--max-steps", type=int, default=400, help="SFT optimizer steps.")
+    parser.add_argument("--num-traces", type=int, default=4800, help="Synthetic SFT traces.")
+    parser.add_argument("--max-steps", type=int, default=300, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=3e-4,
+        help="Peak learning rate (cosine decay). Gentle on purpose: at 1e-3 for 400 steps the direct answers' random "
+        "digits wore down the copying (expression 89%%, interpreter output into \\boxed{} 82%% at T=1, against 98%% "
+        "and 99.6%% at 3e-4 for 300 steps).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: fastest on a shared 2-core machine)."
