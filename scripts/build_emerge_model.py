@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from retool_trl.data.synthetic import make_sft_traces
+from retool_trl.data.synthetic import make_arithmetic_dataset, make_sft_traces
 from retool_trl.models.tiny import build_char_tokenizer, build_tiny_model
 from retool_trl.quickstart.arithmetic import QUICKSTART_MODEL_DIR
-from retool_trl.quickstart.emerge import EMERGE_MODEL_DIR, EmergeTask
+from retool_trl.quickstart.emerge import EMERGE_MODEL_DIR, EmergeTask, code_start_probability
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
 
 
@@ -102,6 +102,11 @@ def main() -> None:
     model, final_loss = train_cold_start(
         model, tokenizer, dataset, args.max_steps, args.batch_size, args.learning_rate, seed=args.seed
     )
+    # How rare the habit is, exactly: P(first token is <code>) averaged over 256 held-out prompts.
+    held_out = make_arithmetic_dataset(256, seed=args.seed, difficulty=task.difficulty, split="test")
+    model.eval()
+    code_start_prob = code_start_probability(model, tokenizer, list(held_out["prompt"]))
+    print(f"P(first token is code) on 256 held-out prompts: {code_start_prob:.3g}")
     shutil.rmtree(args.output_dir, ignore_errors=True)
     model.to(torch.float16).save_pretrained(args.output_dir)  # half the bytes; training precision is not needed
     config_file = Path(args.output_dir, "config.json")
@@ -119,6 +124,7 @@ def main() -> None:
         "learning_rate": args.learning_rate,
         "seed": args.seed,
         "final_loss": final_loss,
+        "held_out_code_start_prob": code_start_prob,
         "build_s": round(time.perf_counter() - started, 1),
     }
     Path(args.output_dir, "build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")

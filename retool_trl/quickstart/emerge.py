@@ -69,9 +69,11 @@ def code_start_probability(model, tokenizer, prompts: Sequence[str], code_start:
     import torch
 
     token = tokenizer.convert_tokens_to_ids(code_start)
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    mask = batch["attention_mask"]
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each prompt's last token, whichever side is padded
     with torch.no_grad():
-        logits = model(**batch.to(model.device)).logits[:, -1, :]  # left padding: the last position is the prompt's
+        logits = model(batch["input_ids"], attention_mask=mask).logits[torch.arange(len(last)), last]
     return torch.softmax(logits.float(), dim=-1)[:, token].mean().item()
 
 
