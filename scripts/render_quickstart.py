@@ -46,10 +46,12 @@ ROWS = (
     ("tool_rl", "held-out code ratio before", "code_ratio_before", _pct),
     ("tool_rl", "held-out code ratio after", "code_ratio_after", _pct),
     ("tool_rl", "P(first token is code), held-out prompts, before", "code_start_prob_before", _prob),
+    ("tool_rl", "P(first token is code), held-out prompts, after", "code_start_prob_after", _prob),
     ("tool_rl", "training samples' code ratio passed 50% at step", "step_code_ratio_passed_50", _count),
     ("text_rl", "held-out accuracy before", "accuracy_before", _pct),
     ("text_rl", "held-out accuracy after", "accuracy_after", _pct),
-    ("text_rl", "held-out code ratio after", "code_ratio_after", _pct),
+    ("text_rl", "held-out code ratio after (calls run; none can)", "code_ratio_after", _pct),
+    ("text_rl", "P(first token is code), held-out prompts, after", "code_start_prob_after", _prob),
 )
 
 
@@ -62,6 +64,8 @@ def _provenance(chosen: list[tuple[int, dict]]) -> str:
         if run.get("dirty"):
             where += " (with uncommitted changes)"
         where += f", {run.get('cpu_count')} CPUs, load average before {load[0]:.1f}" if load else ""
+        after = run.get("load_avg_after")
+        where += f", after {after[0]:.1f}" if load and after else ""
         notes.append(where)
     return f"Source: `scripts/results/{BENCHMARK}.jsonl`, " + "; ".join(notes) + "."
 

@@ -34,7 +34,7 @@ def test_shipped_model_is_tiny_and_rarely_calls_code():
     batch = tokenizer(list(problems["prompt"]), return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=4, do_sample=True, temperature=1.0)
+        out = model.generate(**batch, max_new_tokens=7, do_sample=True, temperature=1.0)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     code = sum(t.startswith("<code>") for t in texts)
     assert code <= 0.08 * len(texts), code  # 5% plus two standard errors of the sample
