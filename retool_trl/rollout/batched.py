@@ -204,6 +204,10 @@ def interleaved_rollout(
             texts = _decode(tokenizer, [out.token_ids for out in outputs])
             pending: list[tuple[_Row, str]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
+                if out.aborted:  # the engine gave the turn up: unscored (`infra_failed`), as in the async loop
+                    rows[i].infra_errors += 1
+                    rows[i].infra_failed = rows[i].done = True
+                    continue
                 have_logprobs &= out.logprobs is not None
                 code = rows[i].take_turn(out, text, spec, eos)
                 if code is not None:
