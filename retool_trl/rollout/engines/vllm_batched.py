@@ -199,7 +199,7 @@ class VLLMBackend:
             yield
         finally:
             for name, value in (("generate", own), ("_post", own_post)):
-                if value is None and name in vars(client):
+                if value is None:
                     vars(client).pop(name, None)  # the class's method again
                 else:
                     setattr(client, name, value)
