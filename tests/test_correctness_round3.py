@@ -113,3 +113,75 @@ def test_an_aborted_row_fails_alone_and_the_others_finish(monkeypatch, limit):
         server.close()
     assert result.infra_failed == [False, True]
     assert result.model_text[0] == "ab \\boxed{1}" and result.completion_ids[0][-1] == EOS
+
+
+# ------------------------------------------------------------------------- evaluation under sandbox failures
+class FailsUnderEval:
+    """A sandbox that fails for its own reasons (a lost worker, a service that drops the request) on every call of
+    code that prints `7`, retry included, and runs everything else: a sandbox that fails under eval."""
+
+    def __init__(self):
+        from retool_trl.testing import FakeSandbox
+
+        self.inner = FakeSandbox()
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        from retool_trl.sandbox import ExecResult
+
+        pairs = list(pairs)
+        results = self.inner.run_many(pairs)
+        lost = ExecResult("SandboxError: the worker was lost", False, False, 0.0, infra_error=True)
+        return [lost if "print(7)" in code else result for (_, code), result in zip(pairs, results, strict=True)]
+
+    def close(self):
+        pass
+
+
+def test_eval_leaves_sandbox_failures_out_of_the_scores_and_reports_them(tmp_path, monkeypatch):
+    """`retool-trl eval` with a sandbox that fails under eval for one completion (after its retry): every answer of
+    the model is right and no snippet of it errs. Before, the failed completion was scored as a wrong answer and a
+    tool error (pass@1 0.5, avg@2 0.75, tool_error_rate 1/3) and the report had no field for it. Now it is left out
+    of the scores, as training leaves it out of the loss, and counted in a field of its own, in the JSON and the
+    table."""
+    import json
+
+    from datasets import Dataset
+
+    from retool_trl.config import ReToolConfig
+    from retool_trl.evaluation import inference
+    from retool_trl.evaluation.scoring import evaluate, write_report
+    from retool_trl.testing import ScriptedBackend
+    from testing_utils import make_tiny_qwen2
+
+    scripts = [
+        "<code>print(7)</code>so \\boxed{7}",  # problem 0, sample 0: the sandbox fails
+        "<code>print(3+4)</code>so \\boxed{7}",
+        "<code>print(8)</code>so \\boxed{8}",
+        "\\boxed{8}",
+    ]
+    monkeypatch.setattr(inference, "TransformersBackend", lambda *a, **k: ScriptedBackend(TOKENIZER, scripts))
+    dataset = Dataset.from_list([{"prompt": "Q7", "answer": "7"}, {"prompt": "Q8", "answer": "8"}])
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        max_completion_length=60,
+        system_prompt="none",
+        report_to="none",
+    )
+    model = make_tiny_qwen2(TOKENIZER).eval()
+    report = evaluate(
+        model, TOKENIZER, dataset, args, num_samples=2, batch_size=4, sandbox=FailsUnderEval(), progress=False
+    )
+    m = report.metrics
+    assert [r["infra_failed"] for r in report.records] == [True, False, False, False]
+    assert m["pass@1"] == 1.0 and m["avg@2"] == 1.0 and m["pass@2"] == 1.0
+    assert m["tool_error_rate"] == 0.0 and m["code_ratio"] == pytest.approx(2 / 3)
+    assert m["infra_failed"] == 1 and m["infra_failed_ratio"] == 0.25
+    paths = write_report(report, tmp_path / "eval", "results")
+    data = json.loads(paths["json"].read_text())
+    assert data["num_infra_failed"] == 1 and data["problems"][0]["infra_failed"] == [True, False]
+    assert "sandbox failures (unscored)" in paths["markdown"].read_text()
