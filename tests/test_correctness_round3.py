@@ -237,3 +237,102 @@ def test_the_bias_of_truncated_sampling_is_the_kept_mass():
     ratio = (full[kept] - processed).exp()
     assert torch.allclose(ratio, full[kept].exp().sum().expand_as(ratio))
     assert 0.89 < ratio[0].item() < 0.95
+
+
+# ------------------------------------------------------------------- the context limit asked of a failing server
+def models_server(replies):
+    """An HTTP server answering `GET /v1/models` with `replies` in turn (status, body), the last one for ever."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from testing_utils import reply_json
+
+    asked = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            status, body = replies[min(len(asked), len(replies) - 1)]
+            asked.append(self.path)
+            reply_json(self, status, body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}", asked
+
+
+def test_a_failed_answer_about_the_context_limit_is_asked_again_not_kept_as_no_limit(monkeypatch):
+    """A vLLM server that answers `/v1/models` with HTTP 503 once (starting up, behind a router that is restarting
+    a replica). Before, the error was cached as "no limit" for the whole run: turns were no longer fitted to the
+    context and the first full context stopped the run with HTTP 400. Now the question is asked again and the
+    server's limit is used; a card that has no limit is the only answer kept as none."""
+    from test_correctness_round2 import max_model_len_of
+
+    from retool_trl import trainer
+
+    monkeypatch.setattr(trainer.time, "sleep", lambda s: None)
+    card = {"data": [{"id": "policy", "max_model_len": 4096}]}
+    httpd, url, asked = models_server([(503, {"error": "starting"}), (200, card)])
+    try:
+        assert max_model_len_of(url) == 4096 and len(asked) == 2
+    finally:
+        httpd.shutdown()
+    httpd, url, asked = models_server([(200, {"data": [{"id": "policy"}]})])
+    try:
+        assert max_model_len_of(url) is None and len(asked) == 1
+    finally:
+        httpd.shutdown()
+
+
+def test_a_server_down_for_longer_is_asked_again_at_the_next_rollout(monkeypatch):
+    """The server keeps failing for the first rollout: no limit for that one (with a warning), and the next rollout
+    asks again and gets it (before: never asked again)."""
+    import types
+
+    from retool_trl import trainer
+    from retool_trl.trainer import ReToolTrainer
+
+    monkeypatch.setattr(trainer.time, "sleep", lambda s: None)
+    card = {"data": [{"id": "policy", "max_model_len": 2048}]}
+    httpd, url, asked = models_server([(500, {})] * 3 + [(200, card)])
+    view = types.SimpleNamespace(
+        use_vllm=True,
+        vllm_generation=types.SimpleNamespace(mode="server"),
+        args=types.SimpleNamespace(vllm_server_base_url=url),
+    )
+    try:
+        assert ReToolTrainer._engine_max_model_len(view) is None
+        assert ReToolTrainer._engine_max_model_len(view) == 2048
+        assert ReToolTrainer._engine_max_model_len(view) == 2048 and len(asked) == 4  # known: not asked again
+    finally:
+        httpd.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("master_addr", "host", "url"),
+    [
+        ("fd00::12", "0.0.0.0", "http://[fd00::12]:8000"),
+        ("10.0.0.7", "0.0.0.0", "http://10.0.0.7:8000"),
+        ("fd00::12", "::", "http://[fd00::12]:8000"),
+        (None, "::1", "http://[::1]:8000"),
+    ],
+)
+def test_an_ipv6_master_addr_gives_a_valid_server_url(monkeypatch, master_addr, host, url):
+    """A cluster whose launcher sets an IPv6 `MASTER_ADDR` (IPv6-only nodes): the server URL puts the address in
+    brackets (before: `http://fd00::12:8000`, which httpx reads as host `fd00` with a bad port)."""
+    import types
+
+    import httpx
+
+    from retool_trl.trainer import _server_url
+
+    if master_addr is None:
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+    else:
+        monkeypatch.setenv("MASTER_ADDR", master_addr)
+    args = types.SimpleNamespace(vllm_server_base_url=None, vllm_server_host=host, vllm_server_port=8000)
+    assert _server_url(args) == url
+    assert httpx.URL(_server_url(args)).port == 8000
