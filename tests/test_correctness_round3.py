@@ -10,6 +10,8 @@ is not a defect).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from test_correctness_round2 import run_loop
 from test_turn_engines import EOS, TOKENIZER, Script, ids_of
@@ -273,7 +275,7 @@ def test_a_failed_answer_about_the_context_limit_is_asked_again_not_kept_as_no_l
 
     from retool_trl import trainer
 
-    monkeypatch.setattr(trainer.time, "sleep", lambda s: None)
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(sleep=lambda s: None), raising=False)
     card = {"data": [{"id": "policy", "max_model_len": 4096}]}
     httpd, url, asked = models_server([(503, {"error": "starting"}), (200, card)])
     try:
@@ -290,12 +292,10 @@ def test_a_failed_answer_about_the_context_limit_is_asked_again_not_kept_as_no_l
 def test_a_server_down_for_longer_is_asked_again_at_the_next_rollout(monkeypatch):
     """The server keeps failing for the first rollout: no limit for that one (with a warning), and the next rollout
     asks again and gets it (before: never asked again)."""
-    import types
-
     from retool_trl import trainer
     from retool_trl.trainer import ReToolTrainer
 
-    monkeypatch.setattr(trainer.time, "sleep", lambda s: None)
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(sleep=lambda s: None), raising=False)
     card = {"data": [{"id": "policy", "max_model_len": 2048}]}
     httpd, url, asked = models_server([(500, {})] * 3 + [(200, card)])
     view = types.SimpleNamespace(
@@ -323,8 +323,6 @@ def test_a_server_down_for_longer_is_asked_again_at_the_next_rollout(monkeypatch
 def test_an_ipv6_master_addr_gives_a_valid_server_url(monkeypatch, master_addr, host, url):
     """A cluster whose launcher sets an IPv6 `MASTER_ADDR` (IPv6-only nodes): the server URL puts the address in
     brackets (before: `http://fd00::12:8000`, which httpx reads as host `fd00` with a bad port)."""
-    import types
-
     import httpx
 
     from retool_trl.trainer import _server_url

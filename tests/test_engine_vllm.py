@@ -463,27 +463,54 @@ def test_rows_of_different_context_fit_a_server_with_a_small_max_model_len(
             assert len(prompt) + len(completion) <= limit and completion[-1] == tokenizer.eos_token_id, mode
 
 
+class PaddedOutputs:
+    """A sandbox whose outputs end with 0-8 spaces, by the code's hash: after its first turn every row has a context
+    of its own length, as completions of different lengths have in a real GRPO batch."""
+
+    def __init__(self):
+        from retool_trl.testing import FakeSandbox
+
+        self.inner = FakeSandbox()
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        import zlib
+
+        from retool_trl.sandbox import ExecResult
+
+        pairs = list(pairs)
+        results = self.inner.run_many(pairs)
+        return [
+            ExecResult(r.output.rstrip("\n") + " " * (zlib.crc32(code.encode()) % 9) + "\n", r.ok, False, 0.0)
+            for (_, code), r in zip(pairs, results, strict=True)
+        ]
+
+    def close(self):
+        pass
+
+
 def test_barrier_turns_on_a_server_sized_as_trl_advises_need_few_concurrent_requests(
     small_context_server, tokenizer, sandbox, monkeypatch, tmp_path
 ):
-    """A real vLLM server started with `--max_model_len` sized as TRL advises (longest prompt + completion: 64 + 64),
-    16 rows of different prompt lengths that call code (the quickstart model), through TRL's server-mode helper in
-    the barrier loop. After the first turn every row has its own context. Before, each turn sent one request per
-    distinct `limit - length` (about one per row), one after the other; now the rows go as the async engine sends
-    them, in fewer requests (counted per turn against the old rule), sent at once; every request fits, and the
-    completions are the async loop's (greedy)."""
+    """A real vLLM server started with `--max_model_len` sized as TRL advises (longest prompt + completion: 128),
+    16 rows of problems of different prompt lengths that call code (the quickstart model), through TRL's server-mode
+    helper in the barrier loop. After the first turn every row has its own context. Before, a turn sent one request
+    per distinct `limit - length` (about one per row), one after the other; now the rows go as the async engine
+    sends them, in fewer requests (counted per turn against the old rule), sent at once; every request fits, and
+    the completions are the async loop's (greedy)."""
     import threading
     import time
 
     from retool_trl.rollout.per_completion import async_rollout
     from retool_trl.rollout.turns import fitting_parts
 
-    server, limit, completion = small_context_server, SMALL_CONTEXT, 64
+    server, limit, padded = small_context_server, SMALL_CONTEXT, PaddedOutputs()
     texts = list(quickstart_dataset(16, seed=5)["prompt"])
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    pad = tokenizer(" ", add_special_tokens=False)["input_ids"]
-    prompts = [pad * (limit - completion - 3 * (j % 6) - len(p)) + p for j, p in enumerate(ids)]
-    assert max(len(p) for p in prompts) + completion == limit
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    completion = limit - max(len(p) for p in prompts)
+    assert len({len(p) for p in prompts}) > 1
     spec = RolloutSpec(
         max_completion_length=completion, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2, max_model_len=limit
     )
@@ -518,9 +545,9 @@ def test_barrier_turns_on_a_server_sized_as_trl_advises_need_few_concurrent_requ
     monkeypatch.setattr(VLLMClient, "_post", recording_post)
     monkeypatch.setattr(VLLMBackend, "generate_turn", counting_turn)
     backend = VLLMBackend(helper, tokenizer, "</code>", max_model_len=limit)
-    barrier = interleaved_rollout(prompts, backend, sandbox, tokenizer, spec)
+    barrier = interleaved_rollout(prompts, backend, padded, tokenizer, spec)
     engine = CompletionsEngine(server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0})
-    ours = async_rollout(prompts, engine, sandbox, tokenizer, spec, max_concurrency=16)
+    ours = async_rollout(prompts, engine, padded, tokenizer, spec, max_concurrency=16)
     assert_same_rollout(ours, barrier, snippet_timeout=False)
     assert len(turns) >= 2
     fewer = False
