@@ -245,6 +245,7 @@ class ReToolTrainer(GRPOTrainer):
         prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
         prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
+        self._sandbox_health.what = "training" if mode == "train" else "evaluation"  # what stops, in its message
         with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
             if args.roc_oversample > 1 and mode == "train":
                 result = self._resample_on_correct(prompts, prompt_ids)

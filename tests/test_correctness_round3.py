@@ -334,3 +334,156 @@ def test_an_ipv6_master_addr_gives_a_valid_server_url(monkeypatch, master_addr, 
     args = types.SimpleNamespace(vllm_server_base_url=None, vllm_server_host=host, vllm_server_port=8000)
     assert _server_url(args) == url
     assert httpx.URL(_server_url(args)).port == 8000
+
+
+# ---------------------------------------------------------------- the sandbox's start-up probe and all-failed stop
+@pytest.fixture
+def fusion():
+    from fake_sandboxfusion import serve_fake
+
+    yield from serve_fake()
+
+
+def test_a_fleet_with_one_server_down_starts_on_the_others(fusion, monkeypatch):
+    """`sandbox_url` lists two servers and one is down (connection refused). Before, the start-up probe opened one
+    session, which hashed to the server that is down, and stopped the run (about one start in two here, 4 and 5 of
+    8 trainers in two runs of a real fleet), though the rollout's own retry would have moved to the other server.
+    Now the probe, like the rollout, tries another fresh session, placed away from the server found down."""
+    from test_no_silent_failure import closed_port
+
+    from retool_trl.sandbox.remote import client as remote_client
+    from retool_trl.sandbox.remote.client import RemoteSandbox
+    from retool_trl.training.sandbox_health import SandboxHealth
+
+    down = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(remote_client.zlib, "crc32", lambda data: 0)  # the first session goes to the first server
+    monkeypatch.setattr(remote_client, "_sleep", lambda s: None, raising=False)
+    with RemoteSandbox([down, fusion.url], timeout_s=5.0, retries=1, backoff_s=0.01, sessions="replay") as sandbox:
+        health = SandboxHealth("training")
+        with health.step(health.watch(sandbox)):
+            pass
+        assert sandbox._down_until.get(down)  # it did try the server that is down first
+        assert len(fusion.requests) >= 1
+
+
+class FailsFirst:
+    """A sandbox that fails its first `n` calls after the probe for its own reasons (a short burst of HTTP 429 from a
+    busy service, a retry included), then runs everything; `message` is what the failed calls say."""
+
+    def __init__(self, n: int, message: str = "SandboxError: HTTP 429 (after 4 attempts)"):
+        from retool_trl.testing import FakeSandbox
+
+        self.inner, self.left, self.message, self.probes = FakeSandbox(), n, message, 0
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        from retool_trl.sandbox import ExecResult
+
+        pairs = list(pairs)
+        results = []
+        for session, code in pairs:
+            if code == "1":
+                self.probes += 1
+                results += self.inner.run_many([(session, code)])
+            elif self.left:
+                self.left -= 1
+                results.append(ExecResult(self.message, False, False, 0.0, infra_error=True))
+            else:
+                results += self.inner.run_many([(session, code)])
+        return results
+
+    def close(self):
+        pass
+
+
+def rollout_with(health, sandbox, scripts):
+    from retool_trl.rollout.batched import interleaved_rollout
+    from retool_trl.testing import ScriptedBackend
+
+    spec = RolloutSpec(max_completion_length=60, eos_token_ids=[EOS], max_tool_calls=1)
+    prompts = [ids_of("Q:") for _ in scripts]
+    watched = health.watch(sandbox)
+    with health.step(watched):
+        return interleaved_rollout(prompts, ScriptedBackend(TOKENIZER, scripts), watched, TOKENIZER, spec)
+
+
+def test_one_call_failed_twice_in_a_burst_does_not_stop_the_run():
+    """One rank's rollout made one code call, and it failed twice (the call and its retry in a fresh session) in a
+    short burst of HTTP 429 from a busy service. Before, "every call of the rollout failed" stopped every rank of the
+    job. Now the trivial cell is run again: the sandbox runs code, the run goes on (that completion unscored), and
+    the next rollout runs its calls."""
+    from retool_trl.training.sandbox_health import SandboxHealth
+
+    health, sandbox = SandboxHealth("training"), FailsFirst(2)
+    result = rollout_with(health, sandbox, ["<code>print(1)</code>\\boxed{1}"])
+    assert result.infra_failed == [True] and sandbox.probes == 2
+    result = rollout_with(health, sandbox, ["<code>print(2)</code>\\boxed{2}"])
+    assert result.infra_failed == [False]
+
+
+@pytest.mark.parametrize("message", ["SandboxError: worker pool lost", ""])
+def test_a_sandbox_that_stays_down_still_stops_the_run(message):
+    """The sandbox goes down after the probe, for good (every call fails, and the trivial cell too): the run stops
+    with the sandbox's reason, also when its failures carry no message (before: an empty message was no reason, and
+    the run went on without an interpreter)."""
+    from retool_trl.testing import FakeSandbox
+    from retool_trl.training.sandbox_health import SandboxHealth, SandboxUnavailableError
+
+    class DownAfterProbe(FakeSandbox):
+        def run_many(self, pairs):
+            from retool_trl.sandbox import ExecResult
+
+            if not self.batches:
+                return super().run_many(pairs)
+            self.batches.append(len(pairs))
+            return [ExecResult(message, False, False, 0.0, infra_error=True) for _ in pairs]
+
+    with pytest.raises(SandboxUnavailableError) as error:
+        rollout_with(SandboxHealth("evaluation"), DownAfterProbe(), ["<code>print(1)</code>\\boxed{1}"])
+    text = str(error.value)
+    assert "evaluation stops" in text and (message or "without a message") in text and "\n" not in text
+
+
+def test_eval_probes_the_sandbox_once_not_once_per_chunk(tmp_path, monkeypatch):
+    """`retool-trl eval` over several chunks (`batch_size` smaller than the problems x samples): the sandbox is
+    probed before the first chunk only (before: once per chunk, one more session and cell each)."""
+    from datasets import Dataset
+
+    from retool_trl.config import ReToolConfig
+    from retool_trl.evaluation import inference
+    from retool_trl.evaluation.scoring import evaluate
+    from retool_trl.testing import ScriptedBackend
+    from testing_utils import make_tiny_qwen2
+
+    scripts = iter([["<code>print(7)</code>\\boxed{7}"] * n for n in (2, 1)])
+    monkeypatch.setattr(inference, "TransformersBackend", lambda *a, **k: ScriptedBackend(TOKENIZER, next(scripts)))
+    dataset = Dataset.from_list([{"prompt": f"Q{i}", "answer": "7"} for i in range(3)])
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        max_completion_length=40,
+        system_prompt="none",
+        report_to="none",
+    )
+    sandbox = FailsFirst(0)
+    report = evaluate(
+        make_tiny_qwen2(TOKENIZER).eval(), TOKENIZER, dataset, args, batch_size=2, sandbox=sandbox, progress=False
+    )
+    assert report.metrics["pass@1"] == 1.0 and sandbox.probes == 1
+
+
+def test_a_stop_during_the_trainers_evaluation_says_evaluation_stops(tmp_path):
+    """`trainer.evaluate()` (TRL's eval loop, `eval_strategy: steps`) with a sandbox that went down: the stop names
+    evaluation (before: "training stops", in the middle of an evaluation)."""
+    from test_no_silent_failure import SCRIPTS, DownAfterProbe
+
+    from retool_trl.training.sandbox_health import SandboxUnavailableError
+    from testing_utils import trainer_for
+
+    trainer = trainer_for(tmp_path, SCRIPTS, DownAfterProbe())
+    trainer.model.eval()
+    with pytest.raises(SandboxUnavailableError, match="so evaluation stops"):
+        trainer._generate_and_score_completions([{"prompt": "Q:", "answer": "42"} for _ in range(4)])

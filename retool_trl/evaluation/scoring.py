@@ -211,6 +211,7 @@ def evaluate(
     from tqdm.auto import tqdm
 
     from ..sandbox.factory import sandbox_from_config
+    from ..training.sandbox_health import SandboxHealth
     from .inference import eos_token_ids_of, generate_with_interpreter
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
@@ -219,13 +220,20 @@ def evaluate(
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else sandbox
     records: list[dict] = []
+    health = SandboxHealth("evaluation")  # one for all chunks: the sandbox is probed once
     bar = tqdm(total=len(jobs), desc=desc, unit="completion", disable=not progress)
     try:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             with torch.no_grad():
                 result = generate_with_interpreter(
-                    model, tokenizer, [prompts[p] for p, _ in chunk], args, sandbox=sandbox, batch_size=batch_size
+                    model,
+                    tokenizer,
+                    [prompts[p] for p, _ in chunk],
+                    args,
+                    sandbox=sandbox,
+                    batch_size=batch_size,
+                    health=health,
                 )
             scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, eos_token_ids_of(model, tokenizer))
             for (p, s), record, ids in zip(chunk, scored, result.completion_ids):
