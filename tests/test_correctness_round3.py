@@ -588,3 +588,26 @@ def test_a_sandbox_server_that_goes_away_mid_cell_ends_the_wait(monkeypatch):
             assert gone.url in sandbox._down_until and sandbox.session().server == other.url
     finally:
         other.close()
+
+
+# ------------------------------------------------------------------ stream_interval on older vLLM servers
+def test_a_server_that_ignores_stream_interval_gives_the_same_completions(monkeypatch):
+    """Not a defect: vLLM reads `stream_interval` per request only in recent releases (vllm-project/vllm#49754; 0.32
+    does); a server that predates it (the oldest supported is 0.22) accepts the field as an extra one (its request
+    models allow extra fields, logged and ignored) and streams every token. The engine reads a stream of one token per chunk the same way: the same ids,
+    masks, log-probs and reward kwargs as from a server that honours it, only in more chunks."""
+    import test_coalesce
+
+    honoured, server, _ = test_coalesce.rollout(test_coalesce.TEXTS, coalesce=True)
+    assert all(body["stream_interval"] > 1000 for body in server.bodies)
+    handle = test_coalesce.StreamingServer.handle
+
+    def as_vllm_0_22(self, handler, body):
+        body = {k: v for k, v in body.items() if k != "stream_interval"}  # an extra field: ignored
+        return handle(self, handler, body)
+
+    monkeypatch.setattr(test_coalesce.StreamingServer, "handle", as_vllm_0_22)
+    ignored, _, _ = test_coalesce.rollout(test_coalesce.TEXTS, coalesce=True)
+    assert ignored.completion_ids == honoured.completion_ids and ignored.logprobs == honoured.logprobs
+    assert ignored.interpreter_mask == honoured.interpreter_mask
+    assert ignored.extra_fields() == honoured.extra_fields() and not any(ignored.infra_failed)
