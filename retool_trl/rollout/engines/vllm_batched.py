@@ -65,15 +65,32 @@ class VLLMBackend:
                 or getattr(vllm_generation, "tensor_parallel_size", 1) > 1
             )
         )
+        # A colocated tensor-parallel engine's calls are collective within its group only (TRL gathers the prompts
+        # there), so the group agrees on its own and stops when its own rows are done; with PEFT, TRL also puts a
+        # barrier on every process in each call, and then the whole world agrees.
+        self._tp_group = None
+        if self.collective and getattr(vllm_generation, "mode", "colocate") == "colocate":
+            if not hasattr(getattr(vllm_generation, "model", None), "peft_config"):
+                self._tp_group = getattr(vllm_generation, "tp_group", None)
         self.engine_calls = 0  # helper.generate calls of this backend (the rollout reports them per rollout)
         self._sleep_paused = False
 
     def any_active(self, has_active: bool) -> bool:
-        """Whether any process still has sequences to continue (the rollout loops while this holds)."""
+        """Whether any process that shares this one's engine calls still has sequences to continue (the rollout
+        loops while this holds)."""
         if not self.collective:
             return has_active
         flag = torch.tensor([int(has_active)], device=self.accelerator.device)
-        return bool(self.accelerator.gather(flag).max().item())
+        return bool(self._gather(flag).max().item())
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` of every process that shares the engine calls (the tensor-parallel group, or every process),
+        concatenated in process order."""
+        if self._tp_group is None:
+            return self.accelerator.gather(tensor)
+        parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(self._tp_group))]
+        torch.distributed.all_gather(parts, tensor, group=self._tp_group)
+        return torch.cat(parts)
 
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end) -> list[TurnOutput]:
         groups = {stop: [i for i, s in enumerate(stop_at_code_end) if bool(s) == stop] for stop in (True, False)}
@@ -81,7 +98,7 @@ class VLLMBackend:
         counts = None
         if self.collective:  # every process makes the same calls with the same sizes (the largest of each group)
             local = torch.tensor([*plan[True], *plan[False]], device=self.accelerator.device)
-            every = self.accelerator.gather(local).view(-1, 4)
+            every = self._gather(local).view(-1, 4)
             agreed = every.max(dim=0).values.tolist()
             plan = {True: (int(agreed[0]), int(agreed[1])), False: (int(agreed[2]), int(agreed[3]))}
             counts = {True: every[:, 0].tolist(), False: every[:, 2].tolist()}  # real rows of each process
@@ -97,7 +114,10 @@ class VLLMBackend:
             # Padding rows (other processes have more sequences in this group) are dropped; in server mode they are
             # not even sent (see `_server_requests`).
             prompts = [list(sequences[i]) for i in rows] + [[self.tokenizer.eos_token_id]] * (total - len(rows))
-            with self._server_requests(counts[stop] if counts else None, total, budgets.get(stop)):
+            with (
+                self._server_requests(counts[stop] if counts else None, total, budgets.get(stop)),
+                self._short_padding(counts[stop] if counts else None, total),
+            ):
                 echoed, completion_ids, logprobs = self._call(
                     prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
                 )
@@ -111,6 +131,38 @@ class VLLMBackend:
                     completion_ids[k], lps, self.tokenizer, self.code_end, stops, stop, max_new_tokens[i], stop_ids
                 )
         return outputs
+
+    @contextlib.contextmanager
+    def _short_padding(self, counts: list[int] | None, total: int):
+        """With a colocated tensor-parallel engine, padding rows (another process of the group has more rows) are
+        decoded for one token, not up to the group's budget: TRL's helper sends the group's prompts to `llm.generate`
+        with one `SamplingParams`; around the call, the padding prompts get a copy limited to one token."""
+        helper = self.vllm_generation
+        tp, llm = getattr(helper, "tensor_parallel_size", 1), getattr(helper, "llm", None)
+        if counts is None or tp <= 1 or llm is None or getattr(helper, "mode", "colocate") != "colocate":
+            yield
+            return
+        if self._tp_group is None:  # counts of every process: this group's members are `tp` consecutive ones
+            first = self.accelerator.process_index // tp * tp
+            counts = counts[first : first + tp]
+        padding = {member * total + k for member, count in enumerate(counts) for k in range(int(count), total)}
+        generate, own = llm.generate, vars(llm).get("generate")
+
+        def short_padding(prompts, sampling_params=None, *args, **kwargs):
+            if padding and hasattr(sampling_params, "clone") and len(prompts) == tp * total:
+                short = sampling_params.clone()
+                short.max_tokens = 1
+                sampling_params = [short if j in padding else sampling_params for j in range(len(prompts))]
+            return generate(prompts, sampling_params, *args, **kwargs)
+
+        llm.generate = short_padding
+        try:
+            yield
+        finally:
+            if own is None:
+                vars(llm).pop("generate", None)
+            else:
+                llm.generate = own
 
     def _row_budgets(self, groups, plan, max_new_tokens) -> dict[bool, list[int]]:
         """In server mode with a context limit, each row's own token budget, as the main process sees the rows of
