@@ -123,7 +123,9 @@ def test_failure_kinds_from_what_the_backends_write():
         ExecResult(
             "SandboxError: the code execution service failed: HTTP 429", False, False, 1.0, infra_error=True
         ): "sandbox_wait",
-        ExecResult("SystemError: the sandbox lost the interpreter process", False, False, 0.1, True): "sandbox_failure",
+        ExecResult("SystemError: the sandbox lost the interpreter process", False, False, 0.1, True): (
+            "sandbox_failure"
+        ),
         ExecResult("42\n", ok=True, timed_out=False, duration_s=0.0): None,
     }
     for result, kind in cases.items():
@@ -183,9 +185,7 @@ def _quickstart_trainer(out, steps: int):
     plan = arithmetic_plan(args)
     tokenizer = AutoTokenizer.from_pretrained(plan.model, padding_side="left")
     config = rl_config(args, out / "tool_rl", with_tools=True, disable_tqdm=True, max_steps=steps)
-    return ReToolTrainer(
-        plan.model, None, args=config, train_dataset=plan.splits["train"], processing_class=tokenizer
-    )
+    return ReToolTrainer(plan.model, None, args=config, train_dataset=plan.splits["train"], processing_class=tokenizer)
 
 
 def test_a_real_training_run_logs_stages_that_add_up_to_its_steps(tmp_path, capsys):

@@ -5,8 +5,8 @@ buries the bar, and `PrinterCallback` prints the same dicts without one. [`Compa
 on a terminal it is a tqdm bar whose postfix carries reward, accuracy, code ratio and calls per completion (tqdm
 shows the step rate); when the output is a file or a pipe (where a bar would be a line of carriage returns) it prints
 one line per logging step with the same numbers and the seconds per step. Both end with where the steps' time went
-(`gen 61% tool 9% train 27%`: generation, the interpreter, the log-prob passes and the update). Every log, with its step, goes to
-`RUN/log.jsonl`; TRL's `trainer_state.json` keeps them too.
+(`gen 61% tool 9% train 27%`: generation, the interpreter, the log-prob passes and the update). Every log, with its
+step, goes to `RUN/log.jsonl`; TRL's `trainer_state.json` keeps them too.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ SPLIT_MINOR = (("sync", ("weight_sync",)), ("reward", ("rewards",)), ("other", (
 
 def stage_split(logs: dict) -> str:
     """Where the logged steps' time went, in a few characters: `gen 61% tool 9% train 27%` (`retool/time/*`)."""
+
     def share(stages):
         values = [logs.get(f"retool/time/{stage}_share") for stage in stages]
         return sum(v for v in values if isinstance(v, (int, float))) if any(v is not None for v in values) else None

@@ -25,7 +25,7 @@ def draw_stages(ax, history: Sequence[dict]) -> bool:
     """Stacks the logged stages of one run on `ax`; returns whether there was anything to draw."""
     steps, _ = series(history, "retool/time/step")
     columns = []
-    for (stage, label), key in zip(STAGE_LABELS, STAGE_KEYS):
+    for (_, label), key in zip(STAGE_LABELS, STAGE_KEYS):
         at, values = series(history, key)
         if at != steps or not any(values):
             continue  # a stage never entered (no weight sync without vLLM) gets no band

@@ -4,15 +4,14 @@
 [`StageTimings`] is mixed into `ReToolTrainer` ahead of `GRPOTrainer` and wraps TRL's own methods, each in one stage
 of a [`StageClock`] (nested stages pause the enclosing one, so nothing is counted twice):
 
-| stage | what | TRL method |
-|---|---|---|
-| `generation` | the rollout's engine time, decoding | `_generate` |
-| `interpreter` | cells running while no engine request is (moved out of whatever stage was running) | the sandbox |
-| `weight_sync` | pushing the new weights to vLLM | `vllm_generation.sync_weights` |
-| `rewards` | the reward functions | `_calculate_rewards` |
-| `logprobs` | the old-policy and reference log-prob passes (the loss's own forward is the update's) | `_get_per_token_logps_and_entropies` |
-| `update` | forward, backward, clipping and the optimizer step | `training_step` and what follows it in the step |
-| `other` | the rest of the batch's preparation: padding, gathering, advantages, metrics | `_prepare_inputs` |
+- `generation`: the rollout's engine time and the decoding (`_generate`);
+- `interpreter`: cells running while no engine request is (moved out of whatever stage was running: the sandbox);
+- `weight_sync`: pushing the new weights to vLLM (`vllm_generation.sync_weights`);
+- `rewards`: the reward functions (`_calculate_rewards`);
+- `logprobs`: the old-policy and reference log-prob passes (`_get_per_token_logps_and_entropies` outside the loss;
+  the loss's own forward pass is the update's);
+- `update`: forward, backward, clipping and the optimizer step (`training_step`, and what follows it in the step);
+- `other`: the rest of the batch's preparation: padding, gathering, advantages, metrics (`_prepare_inputs`).
 
 A step runs from the `on_step_begin` to the `on_step_end` callback; each stage is logged in seconds and as its share
 of the step (`retool/time/<stage>_share`), with the step's wall seconds (`retool/time/step`). The timings are the main
