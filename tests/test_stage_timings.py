@@ -8,8 +8,7 @@ import time
 import pytest
 
 from retool_trl.reporting.console import CompactProgressCallback, stage_split
-from retool_trl.sandbox.base import ExecResult
-from retool_trl.sandbox.failures import FAILURE_KINDS, failure_kind, failures_by_kind
+from retool_trl.sandbox.base import FAILURE_KINDS, ExecResult, failure_kind, failures_by_kind
 from retool_trl.training import stage_clock
 from retool_trl.training.stage_clock import BusyTracker, CallStats, StageClock, percentile
 
@@ -229,3 +228,25 @@ def test_a_real_training_run_logs_stages_that_add_up_to_its_steps(tmp_path, caps
     in_file = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert any("retool/time/generation_share" in entry for entry in in_file)
     assert "gen " in capsys.readouterr().out
+
+
+def test_plot_stacks_the_stages_up_to_each_step(tmp_path, monkeypatch):
+    """`retool-trl plot` of a run that logged stages: one stacked panel whose top is each step's measured time."""
+    import retool_trl.reporting.plotting as plotting
+
+    saved = []
+    monkeypatch.setattr(plotting, "save_figure", lambda fig, output, layout=True: saved.append(fig) or output)
+    history = []
+    for step in range(1, 6):
+        seconds = {"generation": 2.0 + step, "interpreter": 0.5, "update": 1.0, "logprobs": 0.25, "rewards": 0.1}
+        entry = {"step": step, "reward": 0.1 * step, "retool/time/step": sum(seconds.values())}
+        entry.update({f"retool/time/{stage}": value for stage, value in seconds.items()})
+        entry.update({"retool/time/weight_sync": 0.0, "retool/time/other": 0.0})
+        history.append(entry)
+    plotting.plot_log_history(history, tmp_path / "t.png")
+    [ax] = [ax for ax in saved[-1].axes if ax.get_title() == "where a step's time goes"]
+    tops = max(path.vertices[:, 1].max() for c in ax.collections for path in c.get_paths())
+    assert tops == pytest.approx(max(entry["retool/time/step"] for entry in history))
+    labels = ax.get_legend().get_texts()
+    assert [t.get_text() for t in labels][:3] == ["step (measured)", "generation", "interpreter"]
+    assert "weight sync" not in {t.get_text() for t in labels}  # never entered: no band

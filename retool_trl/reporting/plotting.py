@@ -177,6 +177,9 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
         ax.set_ylabel(panel.ylabel, fontsize=9)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         return 1
     styles, widest, annotated, held_out_span = ("-", "--", ":"), 1, set(), 0
     for run, history in histories.items():
@@ -335,7 +338,7 @@ def plot_runs(
     widest = 1
     for ax, panel in zip(axes.flat, chosen):
         widest = max(widest, _draw_panel(ax, panel, histories, colors, evals, reward_range))
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and not panel.stacked:  # a stack's legend is its own (top first)
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(chosen) :]:
         ax.set_visible(False)

@@ -10,10 +10,10 @@ from .run_logs import series
 
 # (stage, label) bottom to top: the model's passes first, the rollout on top, so a growing rollout is seen growing.
 STAGE_LABELS = (
-    ("update", "update (forward, backward, optimizer)"),
+    ("update", "update"),
     ("logprobs", "log-prob passes"),
-    ("rewards", "reward functions"),
-    ("other", "batch preparation"),
+    ("rewards", "rewards"),
+    ("other", "batch prep"),
     ("weight_sync", "weight sync"),
     ("interpreter", "interpreter"),
     ("generation", "generation"),
@@ -41,7 +41,11 @@ def draw_stages(ax, history: Sequence[dict]) -> bool:
         ax.stackplot(steps, *[values for _, values in columns], labels=[label for label, _ in columns], alpha=0.85)
     _, walls = series(history, "retool/time/step")
     ax.plot(steps, walls, "k-", linewidth=1.0, label="step (measured)", marker="o" if len(steps) < 3 else None)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(walls) * 1.6)  # room above the stack for its legend
+    handles, labels = ax.get_legend_handles_labels()
+    # Top of the legend is the top of the stack; the measured step first.
+    order = [len(handles) - 1, *range(len(handles) - 2, -1, -1)]
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=6.5, ncol=2, loc="upper left")
     return True
 
 

@@ -18,8 +18,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 
-from ..sandbox.base import SandboxWrapper
-from ..sandbox.failures import FAILURE_KINDS, failure_kind
+from ..sandbox.base import FAILURE_KINDS, SandboxWrapper, failure_kind
 
 STAGES = ("generation", "interpreter", "weight_sync", "rewards", "logprobs", "update", "other")
 

@@ -109,7 +109,8 @@ class StageTimings:
     def training_step(self, *args, **kwargs):
         with self._stage("update"):
             output = super().training_step(*args, **kwargs)
-        self._stage_clock.base = "update"  # what follows until the step's end: clipping, the optimizer step
+        if getattr(self, "_stage_clock", None) is not None:
+            self._stage_clock.base = "update"  # what follows until the step's end: clipping, the optimizer step
         return output
 
     def _prepare_inputs(self, *args, **kwargs):
