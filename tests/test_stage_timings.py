@@ -250,3 +250,18 @@ def test_plot_stacks_the_stages_up_to_each_step(tmp_path, monkeypatch):
     labels = ax.get_legend().get_texts()
     assert [t.get_text() for t in labels][:3] == ["step (measured)", "generation", "interpreter"]
     assert "weight sync" not in {t.get_text() for t in labels}  # never entered: no band
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_the_losss_own_forward_is_the_update_not_a_logprob_pass(tmp_path, beta):
+    """Without a reference model (beta 0) and with aligned steps, TRL makes no log-prob pass outside the loss: the
+    `logprobs` stage stays empty although the loss calls the same TRL method; with a KL term the reference pass is
+    there. The scripted rollout's cells really run (in-process), so the interpreter stage is there too."""
+    from testing_utils import TOOL_SCRIPTS, ramp_reward, trainer_for
+
+    trainer = trainer_for(tmp_path, TOOL_SCRIPTS, reward_funcs=ramp_reward, beta=beta, max_steps=1, logging_steps=1)
+    trainer.train()
+    [entry] = [e for e in trainer.state.log_history if "retool/time/step" in e]
+    assert entry["retool/time/update"] > 0 and entry["retool/time/generation"] > 0
+    assert entry["retool/interpreter/calls"] > 0 and entry["retool/time/interpreter"] > 0
+    assert (entry["retool/time/logprobs"] > 0) == (beta > 0)
