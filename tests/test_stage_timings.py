@@ -265,3 +265,28 @@ def test_the_losss_own_forward_is_the_update_not_a_logprob_pass(tmp_path, beta):
     assert entry["retool/time/update"] > 0 and entry["retool/time/generation"] > 0
     assert entry["retool/interpreter/calls"] > 0 and entry["retool/time/interpreter"] > 0
     assert (entry["retool/time/logprobs"] > 0) == (beta > 0)
+
+
+def test_async_rollout_counts_a_slow_cell_alone_as_the_interpreters():
+    """The async rollout through the timed engine and sandbox: completions run their own loops, cells in worker
+    threads. One completion's 0.3 s cell runs after the others have finished, so the rollout waits on the
+    interpreter alone for at least those 0.3 s; every call is counted once, its failure by kind. (How time overlapped
+    by engine requests is left out is checked on a clock moved by hand, above.)"""
+    from test_async_rollout import SCRIPTS, SPEC, TOKENIZER, AsyncScripted, ThreadSafeSandbox, prompts
+
+    from retool_trl.rollout.per_completion import async_rollout
+    from retool_trl.training.stage_clock import TimedSandbox, timed_engine
+
+    tracker, stats = BusyTracker(), CallStats()
+    stats.recording = True
+    engine = AsyncScripted(SCRIPTS)
+    engine.requests = 0
+    sandbox = TimedSandbox(ThreadSafeSandbox(), tracker, stats)
+    before = tracker.interpreter_seconds(time.perf_counter())
+    started = time.perf_counter()
+    result = async_rollout(prompts(4), timed_engine(engine, tracker), sandbox, TOKENIZER, SPEC)
+    wall = time.perf_counter() - started
+    alone = tracker.interpreter_seconds(time.perf_counter()) - before
+    assert sum(result.num_tool_calls) == len(stats.durations) > 0
+    assert 0.29 <= alone <= wall
+    assert stats.take(alone)["retool/interpreter/failed/cell_error"] > 0  # the 1/0 cell
