@@ -25,20 +25,26 @@ def draw_stages(ax, history: Sequence[dict]) -> bool:
     """Stacks the logged stages of one run on `ax`; returns whether there was anything to draw."""
     steps, _ = series(history, "retool/time/step")
     columns = []
-    for (_, label), key in zip(STAGE_LABELS, STAGE_KEYS):
+    for index, ((_, label), key) in enumerate(zip(STAGE_LABELS, STAGE_KEYS)):
         at, values = series(history, key)
         if at != steps or not any(values):
             continue  # a stage never entered (no weight sync without vLLM) gets no band
-        columns.append((label, values))
+        columns.append((label, values, f"C{index}"))  # a stage keeps its color in every panel
     if not steps or not columns:
         return False
     if len(steps) < 3:  # too few steps for areas: stacked bars
         bottoms = [0.0] * len(steps)
-        for index, (label, values) in enumerate(columns):
-            ax.bar(steps, values, bottom=bottoms, width=0.6, label=label, color=f"C{index}", alpha=0.85)
+        for label, values, color in columns:
+            ax.bar(steps, values, bottom=bottoms, width=0.6, label=label, color=color, alpha=0.85)
             bottoms = [b + v for b, v in zip(bottoms, values)]
     else:
-        ax.stackplot(steps, *[values for _, values in columns], labels=[label for label, _ in columns], alpha=0.85)
+        ax.stackplot(
+            steps,
+            *[values for _, values, _ in columns],
+            labels=[label for label, _, _ in columns],
+            colors=[color for _, _, color in columns],
+            alpha=0.85,
+        )
     _, walls = series(history, "retool/time/step")
     ax.plot(steps, walls, "k-", linewidth=1.0, label="step (measured)", marker="o" if len(steps) < 3 else None)
     ax.set_ylim(0, max(walls) * 1.6)  # room above the stack for its legend
