@@ -728,3 +728,42 @@ def test_a_tensor_parallel_group_whose_rows_are_done_stops_without_waiting_for_t
     assert backend.any_active(False) is False
     backend, _ = tp_backend(monkeypatch, partner_rows=0, world=still, peft=True)
     assert backend.any_active(False) is True
+
+
+def test_every_process_makes_the_same_collective_calls_in_a_barrier_server_turn():
+    """Several training processes on one vLLM server (barrier loop, a context limit): only the main process has
+    TRL's client, and each process asked the server for its limit on its own (one may have none). Every process must
+    still make the same collective calls in a turn, or the job hangs (two processes under torchrun aborted on the
+    first version of the budget exchange, which only the main process made)."""
+    import contextlib
+
+    import torch
+
+    from retool_trl.rollout.engines.vllm_batched import VLLMBackend
+
+    def calls_of(main: bool, limit):
+        gathered = []
+
+        def gather(local):
+            gathered.append(len(local))
+            return torch.cat([local, local])
+
+        accelerator = types.SimpleNamespace(
+            num_processes=2, process_index=0 if main else 1, is_main_process=main, device=torch.device("cpu")
+        )
+        accelerator.gather = gather
+        helper = types.SimpleNamespace(mode="server", generation_kwargs={}, max_completion_length=40)
+        if main:
+            helper.vllm_client = object()
+        helper.generate = lambda prompts, images, num_generations, profiler=None: (
+            prompts,
+            [ids_of("ab") + [EOS]] * len(prompts),
+            None,
+            None,
+        )
+        backend = VLLMBackend(helper, TOKENIZER, "</code>", accelerator=accelerator, max_model_len=limit)
+        backend._server_requests = lambda *a: contextlib.nullcontext()
+        backend.generate_turn([ids_of("Q:")] * 2, [30, 20], [True, False])
+        return gathered
+
+    assert calls_of(True, 64) == calls_of(False, 64) == calls_of(False, None) == [4, 2]

@@ -168,8 +168,11 @@ class VLLMBackend:
         """In server mode with a context limit, each row's own token budget, as the main process sees the rows of
         every process (`total` slots per process and stop setting, 0 for padding): the requests are cut by budget
         (`fitting_parts`), and the budget a row's context allows (`limit - length`) is not its own budget: with a
-        limit sized as TRL advises, it differs for every row, and each row would go in a request of its own."""
-        if not self.max_model_len or self._server_client() is None:
+        limit sized as TRL advises, it differs for every row, and each row would go in a request of its own.
+
+        A collective call in server mode with several processes, made by every process whatever it knows: only the
+        main process has TRL's client, and each asks the server for its limit on its own."""
+        if getattr(self.vllm_generation, "mode", None) != "server" or not (self.max_model_len or self.collective):
             return {}
         slots = {stop: [max_new_tokens[i] for i in groups[stop]] for stop in (True, False)}
         slots = {stop: values + [0] * (plan[stop][0] - len(values)) for stop, values in slots.items()}
