@@ -70,49 +70,55 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
             held.append(reply.json()["session_id"])
             a.post(f"{server.url}/sessions/{held[-1]}/run", json={"code": "x = 1"})
     try:
-        asked = {"timeout_s": 5.0, "memory_mb": 1024, "max_output_chars": 4096}
+        asked = {"timeout_s": 5.0, "memory_mb": 1024, "max_output_chars": 4096, "show_last_expression": True}
         with RemoteSandbox(server.url, **asked, retries=0) as b:
             sessions = [b.session() for _ in range(2)]
-            results = b.run_many([(s, "print('the answer is 123456')\nimport time; time.sleep(0.2)") for s in sessions])
+            code = "print('the answer is 123456')\nimport time; time.sleep(0.2)"
+            results = b.run_many([(s, code) for s in sessions])
             assert [r.output for r in results] == ["the answer is 123456\n"] * 2
             assert all(r.ok and not r.infra_error for r in results)
             slow = sessions[0].run("import time\ntime.sleep(30)")  # B's own 5 s, not A's 20 s
             assert slow.timed_out and slow.duration_s < 15, slow
+            for s in sessions:
+                s.close()
         confirmed = tenant("127.0.0.3").post(f"{server.url}/sessions", json=asked).json()
         assert confirmed["limits"] == asked
+        tenant("127.0.0.3").delete(f"{server.url}/sessions/{confirmed['session_id']}")
     finally:
         for sid in held:
             a.delete(f"{server.url}/sessions/{sid}")
 
 
-def test_limit_profiles_share_the_nodes_cpu_slots(server):
+def test_limit_profiles_share_the_nodes_cpu_slots():
     """Three tenants' sessions with three different limit sets each run two CPU-bound cells at once on a server with
     two CPU slots: at no moment do more than two compute (the cells' own clock readings say so), where a whole-node
     sandbox per limit set would run all six together."""
-    client = tenant("127.0.0.4")
     spin = (
         "import time\nt0 = time.monotonic()\nc0 = time.process_time()\n"
         "while time.process_time() - c0 < 0.4:\n    pass\nprint(t0, time.monotonic())"
     )
+    server = ServerProcess("--workers", "2")
     sessions = []
     for i in range(3):
+        client = tenant(f"127.0.0.{4 + i}")
         limits = {"timeout_s": 15 + i, "memory_mb": 512, "max_output_chars": 4096}
         for _ in range(2):
-            sessions.append(client.post(f"{server.url}/sessions", json=limits).json()["session_id"])
+            sessions.append((client, client.post(f"{server.url}/sessions", json=limits).json()["session_id"]))
     spans = []
 
-    def run(sid):
+    def run(client, sid):
         out = client.post(f"{server.url}/sessions/{sid}/run", json={"code": spin}).json()["results"][0]
         assert out["ok"], out
         spans.append(tuple(map(float, out["output"].split())))
 
-    threads = [threading.Thread(target=run, args=(sid,)) for sid in sessions]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for sid in sessions:
-        client.delete(f"{server.url}/sessions/{sid}")
+    try:
+        threads = [threading.Thread(target=run, args=pair) for pair in sessions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.kill()
     assert len(spans) == 6
     edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
     at_once = peak = 0
@@ -159,16 +165,9 @@ def test_bodies_headers_and_what_a_client_opens_are_bounded():
     client only), and fresh sessions it never used are gone soon, while another tenant still opens its own."""
     srv = ServerProcess(
         "--workers", "1", "--max-body-bytes", "100000", "--max-cells-per-request", "4", "--header-timeout-s", "1",
-        "--body-timeout-s", "1", "--max-sessions-per-client", "3", "--fresh-idle-s", "1",
+        "--body-timeout-s", "1", "--max-sessions-per-client", "3", "--fresh-idle-s", "3",
     )  # fmt: skip
     try:
-        a, b = tenant("127.0.0.2"), tenant("127.0.0.3")
-        sid = a.post(f"{srv.url}/sessions", json={}).json()["session_id"]
-        huge = a.post(f"{srv.url}/sessions/{sid}/run", json={"code": "#" * 200_000})
-        assert huge.status_code == 413
-        many = a.post(f"{srv.url}/sessions/{sid}/run", json={"cells": ["1"] * 5})
-        assert many.status_code == 400 and "cells" in many.json()["detail"] and "4" in many.json()["detail"]
-
         with socket.create_connection(("127.0.0.1", srv.port)) as slow:  # headers that never end
             slow.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\n")
             slow.settimeout(10)
@@ -181,10 +180,17 @@ def test_bodies_headers_and_what_a_client_opens_are_bounded():
             slow.settimeout(10)
             assert slow.recv(1024).split(b" ")[1] == b"408"
 
+        a, b = tenant("127.0.0.2"), tenant("127.0.0.3")
+        sid = a.post(f"{srv.url}/sessions", json={}).json()["session_id"]
+        huge = a.post(f"{srv.url}/sessions/{sid}/run", json={"code": "#" * 200_000})
+        assert huge.status_code == 413
+        many = a.post(f"{srv.url}/sessions/{sid}/run", json={"cells": ["1"] * 5})
+        assert many.status_code == 400 and "cells" in many.json()["detail"] and "4" in many.json()["detail"]
+
         opened = [a.post(f"{srv.url}/sessions", json={}).status_code for _ in range(3)]
-        assert opened == [200, 200, 429]  # the one above plus two: A's bound of 3
+        assert opened == [200, 200, 429], opened  # the one above plus two: A's bound of 3
         assert b.post(f"{srv.url}/sessions", json={}).status_code == 200
-        time.sleep(3)  # fresh sessions, never used, expire after 1 s (the expiry runs every 0.5 s)
+        time.sleep(6)  # fresh sessions, never used, expire after 3 s (the expiry runs every 0.75 s)
         assert a.post(f"{srv.url}/sessions", json={}).status_code == 200
     finally:
         srv.kill()

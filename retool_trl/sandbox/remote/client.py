@@ -367,13 +367,15 @@ class RemoteSandbox:
             if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
             raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
-        if not resend and reply.status_code >= 500 and reply.status_code != 503:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")
-        if reply.status_code >= 500 or reply.status_code == 429:
-            asked = _retry_after(reply.headers.get("Retry-After")) if reply.status_code in (429, 503) else None
-            raise _Retryable(f"HTTP {reply.status_code}", asked)
-        if reply.status_code >= 400:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
+        status = reply.status_code
+        if not resend and status >= 500 and status != 503:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)
+        # 409 with Retry-After: our server's session is still running an earlier cell and ran nothing of this one.
+        if status >= 500 or status == 429 or (status == 409 and reply.headers.get("Retry-After")):
+            asked = _retry_after(reply.headers.get("Retry-After")) if status in (409, 429, 503) else None
+            raise _Retryable(f"HTTP {status}", asked)
+        if status >= 400:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)  # a bad request stays bad
         try:
             data = reply.json()
         except ValueError:
