@@ -4,7 +4,10 @@ trainer with `RemoteSandbox`), each from its own loopback address (127.0.0.2, 12
 clients apart. The truth each checks is outside the server's own account: the text a cell printed, the wall-clock
 times the cells themselves read, a raw socket the server closes or not."""
 
+import contextlib
+import glob
 import json
+import os
 import socket
 import threading
 import time
@@ -60,7 +63,7 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
     the reply, and its right answer comes back whole (never cut to A's bound or failed as the model's error)."""
     a = tenant("127.0.0.2")
     odd = [
-        {"max_output_chars": 64 + i, "timeout_s": 20, "memory_mb": 2048 + i, "show_last_expression": False}
+        {"max_output_chars": 64 + i, "timeout_s": 20, "memory_mb": 2048 + i, "show_last_expression": True}
         for i in range(3)
     ]
     held = []
@@ -73,9 +76,10 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
         asked = {"timeout_s": 5.0, "memory_mb": 1024, "max_output_chars": 4096, "show_last_expression": True}
         with RemoteSandbox(server.url, **asked, retries=0) as b:
             sessions = [b.session() for _ in range(2)]
-            code = "print('the answer is 123456')\nimport time; time.sleep(0.2)"
+            answer = "the answer is 123456, " + "as the working shows, " * 5
+            code = f"print({answer!r})\nimport time; time.sleep(0.2)"
             results = b.run_many([(s, code) for s in sessions])
-            assert [r.output for r in results] == ["the answer is 123456\n"] * 2
+            assert [r.output for r in results] == [answer + "\n"] * 2  # longer than A's output bounds
             assert all(r.ok and not r.infra_error for r in results)
             slow = sessions[0].run("import time\ntime.sleep(30)")  # B's own 5 s, not A's 20 s
             assert slow.timed_out and slow.duration_s < 15, slow
@@ -126,6 +130,37 @@ def test_limit_profiles_share_the_nodes_cpu_slots():
         at_once += step
         peak = max(peak, at_once)
     assert peak <= 2, spans
+
+
+def _sandbox_memory_bounds_mb(server_pid: int) -> list[int]:
+    """The memory bound the kernel holds for each of the server's sandboxes (their cgroups, v1 or v2)."""
+    bounds = {}
+    for top in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        for path in glob.glob(f"{top}/**/retool-sandbox-{server_pid}-*", recursive=True):
+            for name in ("memory.limit_in_bytes", "memory.max"):
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(path, name)) as f:
+                    bounds.setdefault(os.path.realpath(path), int(f.read()) >> 20)
+    return list(bounds.values())
+
+
+def test_limit_profiles_share_the_nodes_memory_budget():
+    """Three tenants with three limit sets beside the server's default: the memory bounds the kernel holds for the
+    server's sandboxes add up to at most the server's budget (half of what the machine allows), where a whole-node
+    sandbox per limit set would promise that half four times over."""
+    server = ServerProcess("--workers", "1")
+    try:
+        for i in range(3):
+            client = tenant(f"127.0.0.{4 + i}")
+            sid = client.post(f"{server.url}/sessions", json={"timeout_s": 5 + i}).json()["session_id"]
+            assert client.post(f"{server.url}/sessions/{sid}/run", json={"code": "1"}).json()["results"][0]["ok"]
+        bounds = _sandbox_memory_bounds_mb(server.proc.pid)
+        if len(bounds) < 4:
+            pytest.skip("no writable memory cgroup here (the budget is then each session's own limit only)")
+        with open("/proc/meminfo") as f:
+            total_mb = int(f.readline().split()[1]) >> 10
+        assert sum(bounds) <= total_mb // 2 + 1, (bounds, total_mb)
+    finally:
+        server.kill()
 
 
 def test_a_busy_session_is_refused_and_holds_no_slot():
