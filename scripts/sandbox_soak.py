@@ -100,9 +100,11 @@ class Soak:
     def violation(self, invariant: str, detail: str, cell: str = "") -> None:
         with self.lock:
             self.broken[invariant] += 1
-            if sum(1 for e in self.examples if e["invariant"] == invariant) < 3:
+            first = self.broken[invariant] <= 3
+            if first:
                 self.examples.append({"invariant": invariant, "cell": cell, "detail": detail[:300]})
-        print(f"  VIOLATION {invariant}: {detail[:200]}", flush=True)
+        if first:  # the first few of each; the counts say how many
+            print(f"  VIOLATION {invariant}: {detail[:200]}", flush=True)
 
     def count(self, *names: str) -> None:
         with self.lock:
@@ -123,7 +125,8 @@ class Soak:
                     with self.lock:
                         self.neighbour_pids.add(pid)
                 self.count("cells", "benign")
-                self._judge_benign(cell, result)
+                if not self._judge_benign(cell, result):
+                    break  # a harmed neighbour: its later cells would only repeat the harm
                 time.sleep(rng.random() * 0.2)
         finally:
             if pid is not None:
@@ -131,23 +134,25 @@ class Soak:
                     self.neighbour_pids.discard(pid)
             self._close(session, pid)
 
-    def _judge_benign(self, cell, result) -> None:
+    def _judge_benign(self, cell, result) -> bool:
+        """Checks a benign cell's result; False when it broke an invariant."""
         harmed = result.infra_error or "SystemError: the interpreter" in result.output or cell.kind == "scratch_intact"
         if cell.fails:
             last = result.output.rstrip("\n").rpartition("\n")[2]
             if result.infra_error or result.ok or last != cell.expected:
                 kind = "no_neighbour_harm" if result.infra_error else "benign_exact"
                 self.violation(kind, f"{cell.kind}: expected its own error, got {last!r}", cell.kind)
-            else:
-                self.count("benign_ok")
+                return False
         elif not result.ok:
             kind = "no_neighbour_harm" if harmed else "benign_not_own_failure"
             self.violation(kind, f"{cell.kind} scored as a failure: {result.output[-200:]!r}", cell.kind)
+            return False
         elif result.output != cell.expected:
             kind = "no_neighbour_harm" if harmed else "benign_exact"
             self.violation(kind, f"{cell.kind}: {result.output[-120:]!r} != {cell.expected!r}", cell.kind)
-        else:
-            self.count("benign_ok")
+            return False
+        self.count("benign_ok")
+        return True
 
     def hostile(self, sandbox, rng: random.Random, canary: str) -> None:
         session = sandbox.session()
