@@ -38,8 +38,9 @@ def server():
 
 
 def test_out_of_range_limits_are_refused_naming_the_field_and_its_range(server):
-    """Tenant A asks for limits no session can have (negative output, zero time, a string for a flag, a field that
-    does not exist): each is a 400 that names the field and the range it must lie in, and nothing is opened."""
+    """Two server tenants: tenant A asks for limits no session can have (negative output, zero time, a string for a
+    flag, a field that does not exist): each is a 400 that names the field and the range it must lie in, and nothing is
+    opened."""
     a = tenant("127.0.0.2")
     cases = {
         "max_output_chars": {"max_output_chars": -5},
@@ -58,9 +59,10 @@ def test_out_of_range_limits_are_refused_naming_the_field_and_its_range(server):
 
 
 def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
-    """Tenant A fills the server's limit profiles with sessions of odd limits (tiny output, long time, much memory)
-    and keeps them; tenant B, a trainer, then opens sessions: each gets exactly the limits it asked for, confirmed in
-    the reply, and its right answer comes back whole (never cut to A's bound or failed as the model's error)."""
+    """Two server tenants: tenant A fills the server's limit profiles with sessions of odd limits (tiny output, long
+    time, much memory) and keeps them; tenant B, a trainer, then opens sessions: each gets exactly the limits it asked
+    for, confirmed in the reply, and its right answer comes back whole (never cut to A's bound or failed as the model's
+    error)."""
     a = tenant("127.0.0.2")
     odd = [
         {"max_output_chars": 64 + i, "timeout_s": 20, "memory_mb": 2048 + i, "show_last_expression": True}
@@ -94,9 +96,9 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
 
 
 def test_limit_profiles_share_the_nodes_cpu_slots():
-    """Three tenants' sessions with three different limit sets each run two CPU-bound cells at once on a server with
-    two CPU slots: at no moment do more than two compute (the cells' own clock readings say so), where a whole-node
-    sandbox per limit set would run all six together."""
+    """Server tenants (three): sessions with three different limit sets each run two CPU-bound cells at once on a
+    server with two CPU slots: at no moment do more than two compute (the cells' own clock readings say so), where a
+    whole-node sandbox per limit set would run all six together."""
     spin = (
         "import time\nt0 = time.monotonic()\nc0 = time.process_time()\n"
         "while time.process_time() - c0 < 0.4:\n    pass\nprint(t0, time.monotonic())"
@@ -144,8 +146,8 @@ def _sandbox_memory_bounds_mb(server_pid: int) -> list[int]:
 
 
 def test_limit_profiles_share_the_nodes_memory_budget():
-    """Three tenants with three limit sets beside the server's default: the memory bounds the kernel holds for the
-    server's sandboxes add up to at most the server's budget (half of what the machine allows), where a whole-node
+    """Server tenants (three) with three limit sets beside the server's default: the memory bounds the kernel holds for
+    the server's sandboxes add up to at most the server's budget (half of what the machine allows), where a whole-node
     sandbox per limit set would promise that half four times over."""
     server = ServerProcess("--workers", "1")
     try:
@@ -164,9 +166,9 @@ def test_limit_profiles_share_the_nodes_memory_budget():
 
 
 def test_a_busy_session_is_refused_and_holds_no_slot():
-    """Tenant A sends four requests at once to its one session while a cell of it runs: the extra ones are refused
-    at once (409 + Retry-After), never queued on a running slot, so tenant B's cell runs meanwhile instead of
-    getting 429 from a server whose slots A's queue took."""
+    """Two server tenants: tenant A sends four requests at once to its one session while a cell of it runs: the extra
+    ones are refused at once (409 + Retry-After), never queued on a running slot, so tenant B's cell runs meanwhile
+    instead of getting 429 from a server whose slots A's queue took."""
     srv = ServerProcess("--workers", "2", "--max-concurrency", "2")
     try:
         a, b = tenant("127.0.0.2"), tenant("127.0.0.3")
@@ -195,9 +197,9 @@ def test_a_busy_session_is_refused_and_holds_no_slot():
 
 
 def test_bodies_headers_and_what_a_client_opens_are_bounded():
-    """A tenant that sends a huge body, too many cells, its headers or body byte by byte, or opens sessions it
-    never uses: each is refused or cut off by a bound (413, 400 naming `cells`, a closed socket, 408, 429 for that
-    client only), and fresh sessions it never used are gone soon, while another tenant still opens its own."""
+    """Two server tenants: one that sends a huge body, too many cells, its headers or body byte by byte, or opens
+    sessions it never uses: each is refused or cut off by a bound (413, 400 naming `cells`, a closed socket, 408, 429
+    for that client only), and fresh sessions it never used are gone soon, while another tenant still opens its own."""
     srv = ServerProcess(
         "--workers", "1", "--max-body-bytes", "100000", "--max-cells-per-request", "4", "--header-timeout-s", "1",
         "--body-timeout-s", "1", "--max-sessions-per-client", "3", "--fresh-idle-s", "3",
@@ -261,9 +263,9 @@ class _Lowering(BaseHTTPRequestHandler):
 
 
 def test_remote_sandbox_refuses_a_session_served_below_what_it_asked():
-    """Tenant B's `RemoteSandbox` against a server that confirms 3 output characters where B asked 4096 (as a
-    server pinning another tenant's profile did): B refuses the session with one clear error naming the limit,
-    instead of scoring a cut answer as wrong."""
+    """Two server tenants, seen from tenant B: its `RemoteSandbox` against a server that confirms 3 output characters
+    where B asked 4096 (as a server pinning another tenant's profile did): B refuses the session with one clear error
+    naming the limit, instead of scoring a cut answer as wrong."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Lowering)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
