@@ -95,6 +95,19 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
             a.delete(f"{server.url}/sessions/{sid}")
 
 
+def test_a_trainer_that_closes_its_sessions_leaves_none_on_the_server(server):
+    """Two server tenants: tenant B closes its sessions and its `RemoteSandbox` right after its last calls (the end
+    of a rollout): none of its sessions stays live on the server, holding jails and the per-client bounds the tenant
+    needs later, until the idle expiry."""
+    before = httpx.get(f"{server.url}/health").json()["live_sessions"]
+    with RemoteSandbox(server.url, timeout_s=5.0, retries=0) as b:
+        sessions = [b.session() for _ in range(8)]
+        assert all(r.ok for r in b.run_many([(s, "x = 1") for s in sessions]))
+        for s in sessions:
+            s.close()
+    assert httpx.get(f"{server.url}/health").json()["live_sessions"] == before
+
+
 def test_limit_profiles_share_the_nodes_cpu_slots():
     """Server tenants (three): sessions with three different limit sets each run two CPU-bound cells at once on a
     server with two CPU slots: at no moment do more than two compute (the cells' own clock readings say so), where a
