@@ -20,6 +20,15 @@ SANDBOX_BACKENDS = ("local", "remote")
 class ReToolOptions:
     """The fields [`~retool_trl.ReToolConfig`] adds to `GRPOConfig` (documented there), with defaults and help."""
 
+    call_format: str = field(
+        default="tags",
+        metadata={
+            "help": "How the model calls the interpreter: 'tags' (the code and interpreter tags below), 'tool_call' "
+            "(the chat template's own tool calls to a `code_interpreter` tool, results as tool messages) or "
+            "'markdown' (```python blocks answered by ```output fences).",
+            "choices": ["tags", "tool_call", "markdown"],
+        },
+    )
     code_start: str = field(
         default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."}
     )
@@ -177,6 +186,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "interpreter_truncation",
         "interpreter_errors",
         "system_prompt",
+        "call_format",
         "code_start",
         "code_end",
         "interpreter_start",
