@@ -96,27 +96,3 @@ def with_template(tokenizer, name: str):
     tokenizer = copy.copy(tokenizer)
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
     return tokenizer
-
-
-def tiny_qwen_model(tokenizer, seed: int = 0):
-    """A tiny random Qwen2 model with the full vocabulary size (its embeddings dominate: about 10 M parameters)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model

@@ -92,7 +92,7 @@ class ToolCallFormat(ToolProse):
             )
         if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
             try:
-                add_response_schema(tokenizer)
+                _add_response_schema(tokenizer, add_response_schema)
             except ValueError:
                 raise UserError(
                     "call_format='tool_call': TRL has no response schema for this tokenizer's chat template, so its "
@@ -173,6 +173,25 @@ def _read_call(call: dict) -> Call:
     if not isinstance(code, str):
         return Call(None, _UNPARSED)
     return Call(code)
+
+
+def _add_response_schema(tokenizer, add_response_schema) -> None:
+    """TRL's response schema for the tokenizer's template; for one of TRL's training templates (the
+    prefix-preserving variants it ships), the schema of the template it was derived from, as TRL's trainer sets the
+    schema before it swaps in the training template."""
+    import trl.chat_template_utils as templates
+
+    for name in dir(templates):
+        if name.endswith("_training_chat_template") and getattr(templates, name) == tokenizer.chat_template:
+            base = getattr(templates, name.replace("_training_chat_template", "_chat_template"), None)
+            if base is not None:
+                training, tokenizer.chat_template = tokenizer.chat_template, base
+                try:
+                    add_response_schema(tokenizer)
+                finally:
+                    tokenizer.chat_template = training
+                return
+    add_response_schema(tokenizer)
 
 
 def _call_markers(tokenizer) -> tuple[str, ...]:
