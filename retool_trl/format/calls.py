@@ -129,7 +129,8 @@ class MarkdownFormat(StopFormat):
     name = "markdown"
     stop = "```\n"
     kept_texts = ("```",)
-    spans = tuple((f"```{lang}", "```") for lang in (*PYTHON_LANGUAGES, "output"))
+    # A block ends where the call ended, at the stop (code may hold a fence inside a string: `print('```')`).
+    spans = tuple((f"```{lang}", "```\n") for lang in (*PYTHON_LANGUAGES, "output"))
     guarded = ("```",)
 
     def calls(self, call_text: str) -> list[Call]:
