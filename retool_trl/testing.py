@@ -34,9 +34,7 @@ class ScriptedBackend:
     interpreter tokens) are matched to their script by the sequence each one had at the end of its previous turn.
     """
 
-    def __init__(
-        self, tokenizer, scripts: Sequence[str], code_end: str | None = "</code>", step_seconds: float = 0.0
-    ):
+    def __init__(self, tokenizer, scripts: Sequence[str], code_end: str | None = "</code>", step_seconds: float = 0.0):
         self.tokenizer = tokenizer
         self.code_end = code_end
         self.step_seconds = step_seconds

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
 
 from retool_trl import ReToolConfig
 from retool_trl.format.calls import MarkdownFormat, TagFormat, call_format_from_config, stop_format
@@ -57,7 +56,7 @@ def test_markdown_calls_run_and_results_come_back_in_output_fences():
         assert sampled == TOKENIZER(script, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id]
         assert result.model_text[i] == script
     inserted = TOKENIZER.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
-    assert inserted == "```output\n42\n\n```\n```output\n41\n\n```\n"
+    assert inserted == "```output\n42\n```\n```output\n41\n```\n"
     assert "ZeroDivisionError" in TOKENIZER.decode(result.completion_ids[3])
     # A closing fence whose block is not Python ends a turn without a call: void, as a stray `</code>` is.
     assert result.num_void_turns == [0, 0, 3, 0]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from qwen_vocab import qwen_tokenizer, with_template
+
 from retool_trl.errors import UserError
 from retool_trl.format.calls import stop_format
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
@@ -192,7 +192,9 @@ def test_printed_template_markers_stay_text(qwen_chat):
     """Code that prints `<|im_end|>` or `</tool_response>` cannot end the tool message or the turn early."""
     fmt = ToolCallFormat(qwen_chat)
     code = "print('</tool_response><|im_end|>')"
-    script = f'<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{code}"}}}}\n</tool_call><|im_end|>ok'
+    script = (
+        f'<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{code}"}}}}\n</tool_call><|im_end|>ok'
+    )
     result = run("barrier", qwen_chat, [script], fmt, [list(tool_prompt(qwen_chat))])
     inserted = [t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m]
     assert inserted.count(qwen_chat.eos_token_id) == 1  # the template's own, closing the tool message
@@ -214,3 +216,58 @@ def test_a_template_trl_cannot_parse_is_refused(qwen):
     tokenizer.chat_template = tokenizer.chat_template.replace("You are Qwen", "You are a model")
     with pytest.raises(UserError, match="response_template"):
         ToolCallFormat(tokenizer)
+
+
+def test_a_short_grpo_run_trains_with_native_tool_calls(tmp_path, qwen_chat):
+    """`ReToolTrainer` with `call_format='tool_call'` on a tiny random model of Qwen's vocabulary size and TRL's
+    Qwen2.5 template: prompts carry the tool's schema, the calls run, the reward reads the final answer, the tool
+    messages are masked, and two optimizer steps move the weights."""
+    import torch
+    from datasets import Dataset
+
+    from retool_trl import ReToolConfig, ReToolTrainer
+    from testing_utils import make_tiny_qwen2
+
+    right = TOOL_SCRIPT
+    wrong = "It is \\boxed{41}."
+    scripts = [right, wrong, right, wrong]
+    model = make_tiny_qwen2(qwen_chat, hidden_size=16, num_layers=1)
+    model.save_pretrained(tmp_path / "m")
+    qwen_chat.save_pretrained(tmp_path / "m")
+    rows = [{"prompt": [{"role": "user", "content": "What is 6*7?"}], "answer": "42"}] * 4
+    args = ReToolConfig(
+        output_dir=str(tmp_path / "out"),
+        call_format="tool_call",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=160,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        seed=0,
+    )
+    trainer = ReToolTrainer(
+        str(tmp_path / "m"),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=qwen_chat,
+        sandbox=FakeSandbox(),
+    )
+    seen = []
+
+    def backend(model):
+        seen.append(ScriptedBackend(qwen_chat, scripts, None))
+        return seen[-1]
+
+    trainer._make_generation_backend = backend
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    first_prompt = qwen_chat.decode(seen[0].last_sequence[0])
+    assert '"name": "code_interpreter"' in first_prompt.split("<|im_start|>user")[0]  # the tool's schema
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    assert all(entry["retool/code_ratio"] == 0.5 and entry["rewards/boxed_accuracy/mean"] == 0.0 for entry in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -5,7 +5,8 @@ assistant turn for `calls_at_turn_end`), what code a finished turn carries (`cal
 insert (`result_ids`). The rewards ask it what the model wrote outside its calls and their results (`model_prose`).
 So the two rollout loops, the engines, the mask and the rewards stay the same for every format:
 
-- `tags` ([`TagFormat`]): the ReTool paper's inline tags, `<code>...</code>` answered by `<interpreter>...</interpreter>`;
+- `tags` ([`TagFormat`]): the ReTool paper's inline tags, `<code>...</code>` answered by
+  `<interpreter>...</interpreter>`;
 - `markdown` ([`MarkdownFormat`]): a ```` ```python ```` block, answered by an ```` ```output ```` fence (the Zero-RL
   line of work: ToRL, SimpleTIR, ZeroTIR). Generation stops at a closing fence followed by a newline, which an
   opening fence (```` ```python ````) never matches;
@@ -147,6 +148,10 @@ class MarkdownFormat(StopFormat):
     def result_texts(self, outputs):
         return "```output\n", "\n```\n"
 
+    def result_ids(self, tokenizer, outputs: list[list[str]]) -> list[list[int]]:
+        # The output's own last newline is the fence's: `42\n` reads "```output\n42\n```".
+        return super().result_ids(tokenizer, [[out.rstrip("\n") for out in row] for row in outputs])
+
 
 def stop_format(call_format: str, tags: Tags = Tags()) -> StopFormat:
     """The string-only format for a `call_format` name; `tool_call` needs a tokenizer (`tool_calls.ToolCallFormat`)."""
@@ -155,8 +160,6 @@ def stop_format(call_format: str, tags: Tags = Tags()) -> StopFormat:
     if call_format == "tags":
         return TagFormat(tags)
     raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
-
-
 
 
 def call_format_from_config(args, tokenizer=None):

@@ -90,7 +90,10 @@ class ToolCallFormat(ToolProse):
                 "call_format='tool_call' needs a tokenizer with a chat template that renders tool calls: use the "
                 "model's instruct tokenizer, or call_format='tags' / 'markdown'."
             )
-        if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        if (
+            getattr(tokenizer, "response_template", None) is None
+            and getattr(tokenizer, "response_schema", None) is None
+        ):
             try:
                 _add_response_schema(tokenizer, add_response_schema)
             except ValueError:
@@ -103,7 +106,7 @@ class ToolCallFormat(ToolProse):
             raise UserError(
                 "call_format='tool_call' needs a prefix-preserving chat template (earlier turns must render the same "
                 "whatever follows), and this tokenizer's is not: set the tokenizer's chat template to TRL's training "
-                "template (`trl.chat_template_utils.get_training_chat_template(tokenizer)`), or use call_format='tags'."
+                "template (`trl.chat_template_utils.get_training_chat_template(tokenizer)`), or call_format='tags'."
             )
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 from math_verify import LatexExtractionConfig, parse, verify
 
-from ..format.parsing import Tags, last_boxed, model_prose
 from ..format.calls import prose_format
+from ..format.parsing import Tags, last_boxed, model_prose
 
 
 def _completion_text(completion) -> str:

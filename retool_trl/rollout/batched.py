@@ -238,7 +238,9 @@ def interleaved_rollout(
                 blocks = result_blocks(tokenizer, results, spec)
                 for (row, calls), row_results, block in zip(pending, results, blocks, strict=True):
                     row.take_result(calls, row_results, block, spec)
-                    exec_seconds += [r.duration_s for r, c in zip(row_results, calls, strict=True) if c.code is not None]
+                    exec_seconds += [
+                        r.duration_s for r, c in zip(row_results, calls, strict=True) if c.code is not None
+                    ]
             for i in active:
                 if rows[i].done:
                     release_session(rows[i])

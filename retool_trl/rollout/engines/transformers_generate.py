@@ -91,7 +91,9 @@ class TransformersBackend:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         # Built once: transformers precomputes vocabulary tables for the stop string.
-        self.code_end_criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=[code_end]) if code_end else None
+        self.code_end_criterion = (
+            StopStringCriteria(tokenizer=tokenizer, stop_strings=[code_end]) if code_end else None
+        )
         self.finish()
 
     def finish(self) -> None:
