@@ -23,7 +23,7 @@ from trl.models import unwrap_model_for_generation
 from .config import ReToolConfig
 from .errors import UserError
 from .evaluation.inference import tokenize_prompts
-from .format.calls import call_format_from_config, call_stop, prose_format
+from .format.choice import call_format_from_config, call_stop, prose_format
 from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
 from .models.names import resolve_model

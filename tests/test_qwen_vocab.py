@@ -271,3 +271,38 @@ def test_a_short_grpo_run_trains_with_native_tool_calls(tmp_path, qwen_chat):
     assert len(logs) == 2
     assert all(entry["retool/code_ratio"] == 0.5 and entry["rewards/boxed_accuracy/mean"] == 0.0 for entry in logs)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_evaluation_uses_the_same_format(qwen_chat, monkeypatch):
+    """`retool-trl eval`'s scoring with `call_format='tool_call'`: the prompts carry the tool's schema, the turn
+    stops at the end of the assistant turn (no stop string), the calls run, and the final answer is scored; a wrong
+    answer printed by the code earns nothing."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from retool_trl import ReToolConfig
+    from retool_trl.evaluation import inference
+    from retool_trl.evaluation.scoring import evaluate
+
+    printed_wrong = (
+        '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(\'\\\\\\\\boxed{42}\')"}}\n'
+        "</tool_call><|im_end|>I am not sure."
+    )
+    scripts = [TOOL_SCRIPT, printed_wrong]
+    made = []
+
+    def scripted(model, tokenizer, generation_config, stop, eos_token_ids):
+        made.append(stop)
+        return ScriptedBackend(tokenizer, scripts, stop)
+
+    monkeypatch.setattr(inference, "TransformersBackend", scripted)
+    args = ReToolConfig(output_dir="/tmp/unused", report_to="none", call_format="tool_call", max_completion_length=200)
+    rows = [{"prompt": [{"role": "user", "content": "What is 6*7?"}], "answer": "42"}] * 2
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=qwen_chat.eos_token_id))
+    report = evaluate(model, qwen_chat, Dataset.from_list(rows), args, batch_size=2, sandbox=FakeSandbox())
+    assert made == [None]
+    assert [r["num_tool_calls"] for r in report.records] == [2, 1]
+    assert [r["correct"] for r in report.records] == [True, False]
+    prompt_ids = inference.tokenize_prompts(qwen_chat, [rows[0]["prompt"]], args)[0]
+    assert '"name": "code_interpreter"' in qwen_chat.decode(prompt_ids)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from transformers import GenerationConfig
 
-from ..format.calls import call_format_from_config, call_stop
+from ..format.choice import call_format_from_config, call_stop
 from ..format.parsing import with_system_prompt
 from ..format.tool_calls import TOOLS
 from ..rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.calls import prose_format
+from ..format.choice import prose_format
 from ..format.parsing import Tags
 from ..rewards.functions import final_answer, is_equivalent
 

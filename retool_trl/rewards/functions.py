@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from math_verify import LatexExtractionConfig, parse, verify
 
-from ..format.calls import prose_format
+from ..format.choice import prose_format
 from ..format.parsing import Tags, last_boxed, model_prose
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ...format.calls import call_stop
+from ...format.choice import call_stop
 from ..turns import (
     EngineError,
     EngineRequestError,
