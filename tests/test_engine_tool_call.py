@@ -28,7 +28,7 @@ CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6
 def served(tmp_path_factory):
     tokenizer = with_template(qwen_tokenizer(), "qwen2_5")
     folder = tmp_path_factory.mktemp("qwen_tool") / "model"
-    make_tiny_qwen2(tokenizer, hidden_size=64, num_layers=1).save_pretrained(folder)
+    make_tiny_qwen2(tokenizer, hidden_size=128, num_layers=1)  # head size 32: vLLM's CPU kernels.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     server = VLLMServer(str(folder), max_model_len=1024)
     yield server, tokenizer
@@ -61,6 +61,7 @@ def test_a_tool_call_through_a_real_vllm_server(served):
     spec = RolloutSpec(200, [tokenizer.eos_token_id], max_tool_calls=1, call_format=fmt)
     with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox:
         result = async_rollout([list(prompt)] * 2, engine, sandbox, tokenizer, spec)
+    assert not any(result.infra_failed), [tokenizer.decode(ids) for ids in result.completion_ids]
     assert result.num_tool_calls == [1, 1] and result.num_tool_errors == [0, 0]
     for ids, mask in zip(result.completion_ids, result.interpreter_mask):
         first_end = ids.index(tokenizer.eos_token_id) + 1
