@@ -23,9 +23,8 @@ class ReToolOptions:
     call_format: str = field(
         default="tags",
         metadata={
-            "help": "How the model calls the interpreter: 'tags' (the code and interpreter tags below), 'tool_call' "
-            "(the chat template's own tool calls to a `code_interpreter` tool, results as tool messages) or "
-            "'markdown' (```python blocks answered by ```output fences).",
+            "help": "How the model calls the interpreter: 'tags' (the tags below), 'tool_call' (its chat "
+            "template's tool calls) or 'markdown' (```python blocks, ```output fences).",
             "choices": ["tags", "tool_call", "markdown"],
         },
     )
