@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 from engine_helpers import VLLMServer  # noqa: E402
 from qwen_vocab import qwen_tokenizer, with_template  # noqa: E402
+
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat  # noqa: E402
 from retool_trl.rollout.batched import RolloutSpec  # noqa: E402
 from retool_trl.rollout.per_completion import CompletionsEngine, async_rollout  # noqa: E402
@@ -28,7 +29,9 @@ CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6
 def served(tmp_path_factory):
     tokenizer = with_template(qwen_tokenizer(), "qwen2_5")
     folder = tmp_path_factory.mktemp("qwen_tool") / "model"
-    make_tiny_qwen2(tokenizer, hidden_size=128, num_layers=1)  # head size 32: vLLM's CPU kernels.save_pretrained(folder)
+    make_tiny_qwen2(
+        tokenizer, hidden_size=128, num_layers=1
+    )  # head size 32: vLLM's CPU kernels.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     server = VLLMServer(str(folder), max_model_len=1024)
     yield server, tokenizer

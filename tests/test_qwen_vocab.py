@@ -306,3 +306,31 @@ def test_evaluation_uses_the_same_format(qwen_chat, monkeypatch):
     assert [r["correct"] for r in report.records] == [True, False]
     prompt_ids = inference.tokenize_prompts(qwen_chat, [rows[0]["prompt"]], args)[0]
     assert '"name": "code_interpreter"' in qwen_chat.decode(prompt_ids)
+
+
+def test_tool_calls_through_the_transformers_engine(qwen_chat):
+    """The transformers engine (no stop string: the turn ends at `<|im_end|>`; the KV cache reused across the
+    inserted tool message) gives the same completion as the scripted backend: the template's rendering."""
+    from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
+    from retool_trl.rollout.engines.transformers_generate import TransformersBackend
+    from testing_utils import make_tiny_qwen2
+
+    model = make_tiny_qwen2(qwen_chat, hidden_size=16, num_layers=1).eval()
+    fmt = ToolCallFormat(qwen_chat)
+    prompt = list(tool_prompt(qwen_chat))
+    # The turn index is the number of assistant headers the rollout inserted (one per tool message block).
+    turns = {tuple(prompt): script_turns(qwen_chat, TOOL_SCRIPT, "<|im_end|>")}
+    backend = TransformersBackend(
+        model,
+        qwen_chat,
+        model.generation_config,
+        None,
+        [qwen_chat.eos_token_id],
+        logits_processor=lambda: [ScriptForcingProcessor(turns, qwen_chat, "<|im_start|>assistant")],
+    )
+    spec = RolloutSpec(300, [qwen_chat.eos_token_id], call_format=fmt)
+    result = interleaved_rollout([prompt], backend, FakeSandbox(), qwen_chat, spec)
+    reference = run("barrier", qwen_chat, [TOOL_SCRIPT], fmt, [prompt])
+    assert result.num_tool_calls == [2] and result.num_tool_errors == [0]
+    assert result.completion_ids == reference.completion_ids
+    assert result.interpreter_mask == reference.interpreter_mask
