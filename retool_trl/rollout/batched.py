@@ -4,7 +4,10 @@
 
 1. generate for every active sequence until EOS, the code-end tag, or its token budget (one backend call per turn);
 2. collect the code blocks that just closed, across the whole batch, and run them concurrently in the sandbox;
-3. append `<interpreter>output</interpreter>` *token ids* to those sequences (mask 0) and resume only them.
+3. append the results' *token ids* to those sequences (mask 0) and resume only them.
+
+What a call looks like is the call format's business (`spec.call_format`, `retool_trl.format.calls`): where a turn's
+call ends, what code it carries, what ids its results insert (`<interpreter>output</interpreter>` for the tags).
 
 Completions are built by concatenating token ids turn by turn, never by decoding and re-encoding the sequence, so the
 interpreter mask (1 = sampled by the policy, 0 = inserted by the environment) is aligned with `completion_ids` by
