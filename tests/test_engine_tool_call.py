@@ -29,9 +29,8 @@ CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6
 def served(tmp_path_factory):
     tokenizer = with_template(qwen_tokenizer(), "qwen2_5")
     folder = tmp_path_factory.mktemp("qwen_tool") / "model"
-    make_tiny_qwen2(
-        tokenizer, hidden_size=128, num_layers=1
-    )  # head size 32: vLLM's CPU kernels.save_pretrained(folder)
+    # Head size 32 (128 / 4 heads): vLLM's CPU attention kernels take no smaller one.
+    make_tiny_qwen2(tokenizer, hidden_size=128, num_layers=1).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     server = VLLMServer(str(folder), max_model_len=1024)
     yield server, tokenizer
