@@ -334,3 +334,35 @@ def test_tool_calls_through_the_transformers_engine(qwen_chat):
     assert result.num_tool_calls == [2] and result.num_tool_errors == [0]
     assert result.completion_ids == reference.completion_ids
     assert result.interpreter_mask == reference.interpreter_mask
+
+
+def test_llama_3_1_template_bare_json_calls(qwen):
+    """TRL's Llama 3.1 template: a call is a bare JSON object (`{"name": ..., "parameters": ...}`, no markers) ending
+    the turn at `<|eot_id|>`, its result an `ipython` message. Llama's special tokens are added to Qwen's ranks (Llama's
+    own vocabulary is not shipped on PyPI); what is checked is the template's format: the call is read without
+    markers, a call to another tool is still the model's error, and the inserted ids are the template's."""
+    import copy
+
+    tokenizer = copy.deepcopy(with_template(qwen, "llama3_1"))
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]}
+    )
+    tokenizer.eos_token = "<|eot_id|>"
+    fmt = ToolCallFormat(tokenizer)
+    assert fmt.markers == ()
+    messages = [{"role": "user", "content": "What is 6*7?"}]
+    prompt = list(
+        tokenizer.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    script = (
+        '{"name": "code_interpreter", "parameters": {"code": "print(6 * 7)"}}<|eot_id|>'
+        '{"name": "python", "parameters": {"code": "print(1)"}}<|eot_id|>'
+        "It is \\boxed{42}."
+    )
+    result = run("barrier", tokenizer, [script], fmt, [prompt])
+    assert result.num_tool_calls == [2] and result.num_tool_errors == [1]
+    inserted = tokenizer.decode([t for t, m in zip(result.completion_ids[0], result.interpreter_mask[0]) if not m])
+    assert inserted.startswith("<|start_header_id|>ipython<|end_header_id|>\n\n") and '"42\\n"' in inserted
+    assert boxed_accuracy(["x"], ["42"], model_text=result.model_text, tags=fmt) == [1.0]
