@@ -338,8 +338,8 @@ def test_tool_calls_through_the_transformers_engine(qwen_chat):
 
 def test_llama_3_1_template_bare_json_calls(qwen):
     """TRL's Llama 3.1 template: a call is a bare JSON object (`{"name": ..., "parameters": ...}`, no markers) ending
-    the turn at `<|eot_id|>`, its result an `ipython` message. Llama's special tokens are added to Qwen's ranks (Llama's
-    own vocabulary is not shipped on PyPI); what is checked is the template's format: the call is read without
+    the turn at `<|eot_id|>`, its result an `ipython` message. Llama's special tokens are added to Qwen's ranks
+    (Llama's own vocabulary is not shipped on PyPI); what is checked is the template's format: the call is read without
     markers, a call to another tool is still the model's error, and the inserted ids are the template's."""
     import copy
 
