@@ -58,4 +58,4 @@ def launch(worker, network):
             "processes) bounds a fork bomb"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
-    return Launch("landlock", [], None, rules, families, missing)
+    return Launch("landlock", [], None, rules, families, missing, confined_owner=True)

@@ -215,7 +215,8 @@ class Jail:
     def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
         self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
         self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
-        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}
+        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}; scratch: removed once it died
+        self.watched_scratch = None  # its scratch as the zygote sees it, where the watchdog bounds the tree
         self.cgroups = list(dict.fromkeys(cgroups.values()))
         self.host = None  # the session's socket to the host, once handed out
         self.set_up = False
