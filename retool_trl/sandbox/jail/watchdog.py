@@ -40,6 +40,25 @@ def private_resident_bytes(pid):
         return 0
 
 
+def session_bounds(config):
+    """What the watchdog bounds (see `over_budget`): memory and tasks only where no cgroup does (`session_watchdog`),
+    the scratch tree always where it samples one (`scratch_unbounded`)."""
+    sampled = config.get("session_watchdog")
+    return {
+        "memory": config["memory_mb"] << 20 if sampled else None,
+        "tasks": config["max_processes"] if sampled else None,
+        "scratch": config["scratch_mb"] << 20,
+        "files": config["max_files"],
+    }
+
+
+def scratch_unbounded(config):
+    """Whether sessions' scratch directories lie outside a private tmpfs (no jail, or a scratch root outside the temp
+    directories a jail replaces with its own): then the watchdog bounds each as a tree (`scratch_over`)."""
+    root = config["scratch_root"]
+    return not config["jail"] or not any(os.path.commonpath([root, t]) == t for t in ("/tmp", "/var/tmp", "/dev/shm"))
+
+
 def scratch_over(path, max_bytes, max_files):
     """Whether the tree under `path` holds more than `max_bytes` of disk blocks or more than `max_files` entries.
     Stops at the first bound passed, so a tree of a million files costs no more to look at than its bound."""

@@ -42,7 +42,7 @@ from reaping import (  # noqa: E402
     weigh,
 )
 from session_process import session_main  # noqa: E402
-from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - for hosts without cgroups
+from watchdog import INTERVAL_S, enforce, kill_strays, scratch_unbounded, session_bounds  # noqa: E402
 from wire import frame  # noqa: E402
 
 del sys.path[:1]
@@ -72,13 +72,8 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.pid = os.getpid()
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY) if config["jail"] else None
-        self.watched_at = 0.0  # last sample of the sessions' memory, tasks and scratch (`watchdog.py`)
-        self.killed_for = {}  # pid -> bound ("memory", "processes", "scratch") of sessions the watchdog killed
-        # Scratch directories outside a private tmpfs (no jail, or a scratch root outside the temp directories that
-        # a jail replaces) are bounded as a tree by the watchdog's sample.
-        self.watch_scratch = not config["jail"] or not any(
-            os.path.commonpath([config["scratch_root"], temp]) == temp for temp in ("/tmp", "/var/tmp", "/dev/shm")
-        )
+        self.watched_at, self.killed_for = 0.0, {}  # last sample (`watchdog.py`); pid -> bound it was killed for
+        self.watch_scratch, self.bounds = scratch_unbounded(config), session_bounds(config)
         self.watching = bool(config.get("session_watchdog")) or self.watch_scratch
         self.dying = []  # closed sessions waiting frozen to be killed, oldest first: (closed at, jail)
         self.removers = set()  # pids of the children removing dead sessions' scratch directories
@@ -93,9 +88,7 @@ class _Zygote:
 
     def fork_jail(self, warm):
         self.serial += 1
-        # Random: unique across zygotes (under bubblewrap every zygote is pid 2), and not derivable from a neighbour's
-        # (a cell sees its own scratch path; a serial number would name the next session's scratch and cgroups).
-        name = f"j{secrets.token_hex(12)}"
+        name = f"j{secrets.token_hex(12)}"  # unique across zygotes; not derivable from a neighbour's (cells see it)
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
         fds, cgroups = [], {}
         try:
@@ -213,8 +206,7 @@ class _Zygote:
         cause = death_cause(status, jail.cgroups, own_limit)
         if jail.evicted:
             cause.update(oom=True, evicted=True)
-        bound = self.killed_for.get(jail.pid)
-        if bound and cause.get("signal") == signal.SIGKILL:  # the session's own bound, kept by the watchdog
+        if (bound := self.killed_for.get(jail.pid)) and cause.get("signal") == signal.SIGKILL:  # kept by the watchdog
             cause.update(oom=True) if bound == "memory" else cause.update(limit=bound)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
@@ -320,14 +312,7 @@ class _Zygote:
         """Where no cgroup bounds a session as a whole, or its scratch: the watchdog's sample (`watchdog.py`)."""
         self.watched_at = time.monotonic()
         live = [(jail.pid, jail.watched_scratch) for jail in self.jails.values() if not jail.closed]
-        sampled = self.config.get("session_watchdog")  # memory and tasks too: no cgroup bounds them
-        bounds = {
-            "memory": self.config["memory_mb"] << 20 if sampled else None,
-            "tasks": self.config["max_processes"] if sampled else None,
-            "scratch": self.config["scratch_mb"] << 20,
-            "files": self.config["max_files"],
-        }
-        self.killed_for.update(enforce(live, bounds))
+        self.killed_for.update(enforce(live, self.bounds))
         kill_strays(self.pid, set(self.jails) | self.removers)  # what a killed session forked after the sample
 
     def remove_later(self, path):
