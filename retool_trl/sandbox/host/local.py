@@ -276,8 +276,7 @@ class LocalSandbox(CallResults):
                 "drop_uid": self._drop_privileges,
                 "landlock": self._launch.landlock,
                 # No memory or pids cgroup to bound a session as a whole: the zygote samples its processes instead.
-                "session_watchdog": not (kinds & {"memory1", "memory", "v2"})
-                or "pids" not in kinds,
+                "session_watchdog": not (kinds & {"memory1", "memory", "v2"}) or "pids" not in kinds,
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,
