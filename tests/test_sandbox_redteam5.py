@@ -1,4 +1,4 @@
-"""Red team round 5: the `landlock` level where a cell shares an owner with what lies outside its scratch.
+"""Red team round 5: the levels where a cell shares an owner with what lies outside its scratch.
 
 Root in a default rootful container (podman/docker with runc: no CAP_SYS_ADMIN, no CAP_SYS_PTRACE, read-only cgroups)
 runs every session as uid 0, which owns root's files and the trainer's processes; a normal user without user
@@ -7,8 +7,9 @@ metadata of files nor the calls that act on another process of its uid, and no c
 files. Each test runs one attack through the public API (`LocalSandbox(isolation="landlock")`, `session().run`) and
 checks what the trainer itself observes (a file's stat, a process's limits, the cell's own count of what it held),
 never the cell's word that it failed. `scripts/test_containers.sh` runs this file inside a default container and as
-a normal user with user namespaces allowed and blocked; on a host where the trainer is root with every capability
-the same attacks meet a uid per session and cgroups, and must fail there too.
+a normal user with user namespaces allowed (the `bwrap` level, sessions sharing the user's uid) and blocked; on a
+host where the trainer is root with every capability the same attacks meet a uid per session and cgroups, and must
+fail there too. Each test runs on both levels, `landlock` and `bwrap`, where that level runs.
 """
 
 import os
@@ -30,10 +31,10 @@ MAX_FILES = 2000
 FILE_MB = 64
 
 
-@pytest.fixture(scope="module")
-def sandbox():
+@pytest.fixture(scope="module", params=["landlock", "bwrap"])
+def sandbox(request):
     sb = LocalSandbox(
-        isolation="landlock",
+        isolation=request.param,
         num_workers=2,
         spares=2,
         timeout_s=20.0,
@@ -47,7 +48,7 @@ def sandbox():
     try:
         sb.isolation_report()
     except SandboxStartError as exc:
-        pytest.skip(f"the Landlock level does not run here: {exc}")
+        pytest.skip(f"the {request.param} level does not run here: {exc}")
     yield sb
     sb.close()
 
