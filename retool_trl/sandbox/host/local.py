@@ -22,6 +22,7 @@ from ..isolation import (
     needed_under_temp,
     warn_once,
 )
+from ..isolation.fsuid import needed as fsuid_needed
 from .batch import Batch, InFlight
 from .cgroups import SandboxCgroups
 from .channel import SessionProcess
@@ -274,6 +275,7 @@ class LocalSandbox(CallResults):
                 "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
+                "watch_by_fsuid": self._drop_privileges and fsuid_needed(),  # root without CAP_SYS_PTRACE
                 "landlock": self._launch.landlock,
                 # No memory or pids cgroup to bound a session as a whole: the zygote samples its processes instead.
                 "session_watchdog": not (kinds & {"memory1", "memory", "v2"}) or "pids" not in kinds,

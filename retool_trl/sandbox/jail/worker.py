@@ -133,7 +133,7 @@ class _Zygote:
         path = os.path.join(self.config["scratch_root"], name)
         scratch = None if self.config["jail"] else path  # else in the jail's own tmpfs, gone with it
         self.jails[pid] = jail = Jail(pid, request_w, status_r, output, ready_r, cgroups, scratch)
-        jail.watched_scratch = path if self.watch_scratch else None
+        jail.watched_scratch, jail.uid = path if self.watch_scratch else None, uid
         os.set_blocking(ready_r, False)
         self.selector.register(ready_r, selectors.EVENT_READ, ("ready", jail))
         return pid
