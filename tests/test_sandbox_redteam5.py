@@ -90,6 +90,29 @@ for name, call in [("chmod", lambda: os.chmod({path!r}, 0)), ("utime", lambda: o
     b.close()
 
 
+def test_root_in_a_container_gives_each_session_a_uid_of_its_own(sandbox):
+    """Root in a default container (CAP_SETUID but no CAP_SYS_PTRACE): every session ran as uid 0, which owns root's
+    files and is exempt from RLIMIT_NPROC, because the trainer could not read a session of another uid's
+    /proc/PID/syscall. Root that may change uids must give each session a uid of its own, and still run its calls."""
+    with open("/proc/self/status") as f:
+        capabilities = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    if os.geteuid() != 0 or not capabilities >> 7 & 1 or not capabilities >> 6 & 1:
+        pytest.skip("needs root that may change uids (CAP_SETUID, CAP_SETGID): a normal user's sessions share its uid")
+    from retool_trl.sandbox.isolation import fsuid
+
+    if fsuid.needed() and not fsuid.works():
+        pytest.skip("this kernel refuses a process of another uid's /proc/PID/syscall to root without CAP_SYS_PTRACE")
+    assert sandbox.isolation_report()["own_uid_per_session"]
+    uids = []
+    for s in (sandbox.session(), sandbox.session()):
+        r = s.run("import os\nos.getuid()")
+        r2 = s.run("print(sum(range(10)))")
+        assert r.ok and r2.ok and r2.output == "45\n", (r, r2)
+        uids.append(int(r.output))
+        s.close()
+    assert 0 not in uids and uids[0] != uids[1], uids
+
+
 def test_scratch_names_are_not_derivable_from_ones_own(sandbox):
     """Root in a default container: scratch names were a serial number after a per-sandbox prefix, so a cell that
     read its own `os.getcwd()` knew the next sessions' directories. Each name must carry a long random part."""

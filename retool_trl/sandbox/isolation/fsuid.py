@@ -11,6 +11,7 @@ on that thread only. Six system calls, a few microseconds, once per look at a ca
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import struct
@@ -53,6 +54,25 @@ def pread_as(uid: int | None, fd: int, size: int) -> bytes:
     try:
         libc.capset(header, raised)
         return os.pread(fd, size, 0)
+    finally:
+        libc.setfsuid(os.geteuid())
+        libc.setfsgid(os.getegid())
+        libc.capset(header, original)
+
+
+@contextlib.contextmanager
+def acting_as(uid: int | None):
+    """Runs the body with this thread's fsuid and fsgid set to `uid`, as `pread_as` does (nothing where None): to open
+    a session's `/proc/PID/fd/N`, say, which asks the same as its `syscall` file."""
+    if uid is None:
+        yield
+        return
+    libc, header, raised, original = _calls()
+    libc.setfsgid(uid)
+    libc.setfsuid(uid)
+    try:
+        libc.capset(header, raised)
+        yield
     finally:
         libc.setfsuid(os.geteuid())
         libc.setfsgid(os.getegid())

@@ -56,16 +56,16 @@ def launch(worker, network):
     ]
     if may_watch_other_uids() and not can_drop_privileges(worker):
         # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
-        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. The trainer
-        # needs CAP_SYS_PTRACE to watch a session of another uid (/proc/PID/syscall): a container's root has not.
+        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. A
+        # container's root, without CAP_SYS_PTRACE, watches it through its fsuid (`fsuid.py`).
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
         missing.append(
-            "own uid per session (the trainer is not root, or is a container's root, which lacks CAP_SYS_PTRACE to "
-            "watch a process of another uid: sessions then run as uid 0 without any capability, or as the "
-            "trainer's uid); sessions share a uid and Landlock and the seccomp filter keep them apart, but no "
-            "immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks, and not uid 0's) bounds a fork or "
-            "thread bomb between the zygote's samples"
+            "own uid per session (the trainer is not root, or is root that may not change uids, or the kernel "
+            "refuses it the /proc files of a process of another uid: sessions then run as uid 0 without any "
+            "capability, or as the trainer's uid); sessions share a uid and Landlock and the seccomp filter keep "
+            "them apart, but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks, and not uid 0's) "
+            "bounds a fork or thread bomb between the zygote's samples"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
     return Launch("landlock", [], None, rules, families, missing, confined_owner=True)
