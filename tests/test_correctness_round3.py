@@ -514,8 +514,8 @@ class BusySessionsServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                if self.path == "/sessions":
-                    reply_json(self, 200, {"session_id": "s1", "limits": {}})
+                if self.path == "/sessions":  # the limits asked for, confirmed
+                    reply_json(self, 200, {"session_id": "s1", "limits": body})
                     return
                 time.sleep(outer.delay_s)
                 outer.runs += 1
