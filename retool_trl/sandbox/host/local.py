@@ -19,6 +19,8 @@ from ..isolation import (
     Launch,
     can_drop_privileges,
     choose_level,
+    ip_sockets_refused,
+    isolation_summary,
     needed_under_temp,
     seccomp_program,
     warn_once,
@@ -222,6 +224,7 @@ class LocalSandbox(CallResults):
             # private read-only view of the host (bubblewrap).
             "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
         }
+        report["network_isolated"] |= ip_sockets_refused(self._launch.socket_families, report["seccomp"])
         missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:
             missing.append("per-session jail (private /tmp, network, IPC and pid namespaces)")
@@ -236,6 +239,7 @@ class LocalSandbox(CallResults):
         if not report["seccomp"]:
             missing.append(f"seccomp filter: {seccomp_program(self._launch.socket_families)[1]}")
         report["missing"] = missing
+        report["summary"] = isolation_summary(report)
         return report
 
     def _start(self) -> _Zygote:

@@ -21,6 +21,8 @@ from .common import (
     Launch,
     can_drop_privileges,
     clean_env,
+    ip_sockets_refused,
+    isolation_summary,
     needed_under_temp,
     warn_once,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "choose_level",
     "clean_env",
     "find_bwrap",
+    "ip_sockets_refused",
+    "isolation_summary",
     "needed_under_temp",
     "seccomp_program",
     "warn_once",

@@ -131,3 +131,34 @@ class Launch:
     landlock: dict | None = None
     socket_families: tuple[int, ...] = (1,)
     missing: list[str] = field(default_factory=list)
+
+
+def ip_sockets_refused(socket_families: tuple[int, ...], seccomp_applied: bool) -> bool:
+    """Whether cells cannot open an IP socket at all: the seccomp filter is applied and leaves neither AF_INET nor
+    AF_INET6 (the Landlock level: the network stays the host's, but no cell can reach it)."""
+    import socket
+
+    return seccomp_applied and not {socket.AF_INET, socket.AF_INET6} & set(socket_families)
+
+
+# The flags of `LocalSandbox.isolation_report()` in words, for its one-line `summary` (what holds, what does not).
+_FLAG_WORDS = {
+    "jail_per_session": "namespaces of its own per session",
+    "filesystem_confined": "reads and writes confined to what the interpreter needs",
+    "network_isolated": "no network",
+    "own_uid_per_session": "a uid of its own per session",
+    "seccomp": "seccomp filter",
+    "memory_cgroup": "memory bounded by a cgroup",
+    "pids_cgroup": "process count bounded by a cgroup",
+}
+
+
+def isolation_summary(report: dict) -> str:
+    """One line a person reads first: the level, the protections that hold, those that do not (the list
+    `missing` says each in full)."""
+    holds = [words for flag, words in _FLAG_WORDS.items() if report.get(flag)]
+    lacks = [words for flag, words in _FLAG_WORDS.items() if not report.get(flag)]
+    text = f"isolation level {report.get('isolation')}: holds: {', '.join(holds) or 'nothing of the contract'}"
+    if lacks:
+        text += f"; does not hold: {', '.join(lacks)} (each in full under 'missing')"
+    return text + "."

@@ -51,11 +51,15 @@ def launch(worker, network):
         # needs CAP_SYS_PTRACE to watch a session of another uid (/proc/PID/syscall): a container's root has not.
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
+        why = (
+            "a container's root lacks CAP_SYS_PTRACE to watch a process of another uid: sessions run as uid 0 "
+            "without any capability"
+            if os.geteuid() == 0
+            else "the trainer is a normal user: sessions run as that user"
+        )
         missing.append(
-            "own uid per session (the trainer is not root, or is a container's root, which lacks CAP_SYS_PTRACE to "
-            "watch a process of another uid: sessions then run as uid 0 without any capability); sessions share a "
-            "uid and Landlock keeps them apart, but no per-session process cap (RLIMIT_NPROC counts a uid's "
-            "processes) bounds a fork bomb"
+            f"own uid per session ({why}); sessions share a uid and Landlock keeps them apart, but no per-session "
+            "process cap (RLIMIT_NPROC counts a uid's processes) bounds a fork bomb"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
     return Launch("landlock", [], None, rules, families, missing)
