@@ -43,7 +43,7 @@ def _jail_processes(host_pid: int) -> list[int]:
 def _jailed(sandbox):
     report = sandbox.isolation_report()
     if not report["jail_per_session"] or not report["pids_cgroup"]:
-        pytest.skip(f"needs per-session jails and cgroups; missing here: {report['missing']}")
+        pytest.skip(f"needs per-session jails and a pids cgroup (isolation level here: {report['isolation']})")
     return report
 
 

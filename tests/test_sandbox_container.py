@@ -57,7 +57,7 @@ def container_run():
         podman_command(sys.executable, str(PROBE)), capture_output=True, text=True, timeout=240, cwd=ROOT
     )
     if done.returncode != 0 and "OCI runtime" in done.stderr:
-        pytest.skip(f"podman cannot start a container here: {done.stderr.strip().splitlines()[-1][:300]}")
+        pytest.skip(f"podman cannot start a container here: {done.stderr.strip().splitlines()[-1][:150]}")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
