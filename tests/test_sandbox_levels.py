@@ -125,6 +125,15 @@ def test_the_report_names_what_the_landlock_level_cannot_give(user_without_usern
         assert words in missing
 
 
+def test_a_normal_users_report_speaks_of_a_normal_user(user_without_userns):
+    """A normal user's report said "sessions then run as uid 0" (true of a container's root only); its flags and its
+    summary say what holds for this user: cells cannot open IP sockets, so the network is out of their reach."""
+    report = user_without_userns["report"]
+    assert "uid 0" not in " ".join(report["missing"]) and "normal user" in " ".join(report["missing"])
+    assert report["network_isolated"] and "no network" in report["summary"].split("does not hold")[0]
+    assert report["summary"].startswith("isolation level landlock: holds:")
+
+
 def _vsock_available() -> bool:
     try:
         socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
