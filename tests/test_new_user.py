@@ -284,3 +284,18 @@ def test_the_landlock_levels_words_for_a_normal_user(monkeypatch):
     worker = str(REPO / "retool_trl" / "sandbox" / "jail" / "worker.py")
     missing = " ".join(landlock_level.launch(worker, False).missing)
     assert "own uid per session" in missing and "uid 0" not in missing and "normal user" in missing
+
+
+def test_ci_runs_the_readmes_test_command_in_a_default_container():
+    """CI's container stage ran only the sandbox's contract tests in a default rootful container, so the README's test
+    command could be red there (where most GPU users train) without CI noticing. It now runs that command, the whole
+    fast suite, in the container."""
+    script = (REPO / "scripts" / "test_containers.sh").read_text().replace("\\\n", " ")
+    pytest_args = shlex.split(re.search(r"^PYTEST=\((.*)\)$", script, re.MULTILINE).group(1))
+    assert pytest_args[:3] == ["-m", "pytest", "-q"]  # `python -m pytest -q`, as the README says
+    [run] = [line for line in script.splitlines() if line.strip().startswith("podman ") and " run " in line]
+    after = shlex.split(run.split("--rootfs /:O", 1)[1])
+    assert after[:2] == ['"$PY"', '"${PYTEST[@]}"'] or after[:2] == ["$PY", "${PYTEST[@]}"], after
+    assert not any(arg.startswith(("tests/", '"${CONTRACT')) or "CONTRACT" in arg for arg in after[2:]), after
+    readme = (REPO / "README.md").read_text()
+    assert "python -m pytest -q" in readme
