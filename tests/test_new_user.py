@@ -299,3 +299,18 @@ def test_ci_runs_the_readmes_test_command_in_a_default_container():
     assert not any(arg.startswith(("tests/", '"${CONTRACT')) or "CONTRACT" in arg for arg in after[2:]), after
     readme = (REPO / "README.md").read_text()
     assert "python -m pytest -q" in readme
+
+
+def test_a_skip_reason_is_one_short_line():
+    """`pytest -rs` as a user reads it: skip reasons repeated the whole list of missing protections (up to 1.8 KB a
+    line). A skip whose reason is not one short line now fails its test (`conftest.py`), so every skip names what is
+    missing in a line; the level's own report stays where it belongs, in `isolation_report()`."""
+    from conftest import skip_reason_problem
+
+    from retool_trl.sandbox import LocalSandbox
+
+    with LocalSandbox(num_workers=1) as sandbox:
+        report = sandbox.isolation_report()
+    assert skip_reason_problem(f"needs per-session jails; missing here: {report}")  # the old form, a whole report
+    assert skip_reason_problem("needs a\nsecond line")
+    assert skip_reason_problem(f"needs a pids cgroup (isolation level here: {report['isolation']})") is None
