@@ -103,7 +103,10 @@ def run(uid: int, block: bool, keep: str, argv: list[str]) -> int:
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as f:
                 f.write(f"0 0 1\n{uid} {uid} 1\n")
-    os.write(go_w, b"1")
+    try:
+        os.write(go_w, b"1")
+    except BrokenPipeError:  # the child could not make the namespaces and has exited (90)
+        pass
     os.close(go_w)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
