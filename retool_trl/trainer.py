@@ -6,6 +6,7 @@ seam over overriding `_generate` because TRL's `_generate` then still does every
 length/clipping metrics counted on model tokens only, vLLM weight sync, passing our per-sample facts to reward
 functions), so nothing of it is copied here. Everything after the rollout (reference model, KL, clipping, loss types,
 PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so interpreter tokens never reach the loss.
+Where a step's time goes is timed around TRL's own methods, which are called unchanged (`training.stage_timings`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
+from .training.stage_timings import StageTimings
 
 
-class ReToolTrainer(GRPOTrainer):
+class ReToolTrainer(StageTimings, GRPOTrainer):
     """GRPO with a Python interpreter in the loop (ReTool, arXiv 2504.11536).
 
     Takes the arguments of [`~trl.GRPOTrainer`]; `args` must be a [`ReToolConfig`]. With `reward_funcs=None` the
@@ -96,7 +98,7 @@ class ReToolTrainer(GRPOTrainer):
             self._sandbox = sandbox_from_config(self.args)
         # A sandbox given by the user gets the config's cell limits too (a no-op when set already or not asked for).
         self._sandbox = with_cell_limits(self._sandbox, self.args)
-        return self._sandbox_health.watch(self._sandbox)
+        return self._sandbox_health.watch(self.timed_sandbox(self._sandbox))  # timed, then counted
 
     def close_sandbox(self) -> None:
         """Stops the sandbox workers this trainer started (a user-provided sandbox is left to its owner)."""
@@ -127,7 +129,7 @@ class ReToolTrainer(GRPOTrainer):
             with profiling_context(self, "vLLM.async_rollout"):
                 return async_rollout(
                     prompt_ids,
-                    self._make_async_engine(),
+                    self.timed_engine(self._make_async_engine()),
                     self.sandbox,
                     self._tokenizer,
                     spec,

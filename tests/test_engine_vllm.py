@@ -138,6 +138,11 @@ def test_colocate_trainer_trains_through_vllm(colocate_trainer):
     # still match the trainer's, up to the CPU kernels' rounding (the perturbation test below isolates the sync).
     assert logs[1]["sampling/sampling_logp_difference/mean"] < 0.05
     assert colocate_trainer.state.global_step == 2
+    # The weight sync to the real engine is a stage of its own, out of generation, and the shares still add up.
+    assert logs[1]["retool/time/weight_sync"] > 0 and logs[1]["retool/time/generation"] > 0
+    stages = ("generation", "interpreter", "weight_sync", "rewards", "logprobs", "update", "other")
+    for entry in logs:
+        assert sum(entry[f"retool/time/{stage}_share"] for stage in stages) == pytest.approx(1.0, abs=0.05)
 
 
 def test_colocate_weight_sync_reaches_the_engine(colocate_trainer, tokenizer):

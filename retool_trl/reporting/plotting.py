@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .run_logs import accuracy_of, find_runs, load_log_history, read_run_info, series
+from .stage_plot import STAGE_KEYS, draw_stages
 
 # Re-exported: `load_log_history` lived here first.
 __all__ = [
@@ -43,6 +44,8 @@ class Panel:
         percent (`bool`): Values are fractions, shown in %.
         held_out (`str`, *optional*): The quickstart summary's metric drawn as before/after markers.
         sft (`bool`): Drawn only for runs without a reward (SFT); a GRPO loss says little.
+        stacked (`bool`): The series are parts of a whole, stacked (one run per panel: `run`).
+        run (`str`, *optional*): The one run a stacked panel draws.
     """
 
     title: str
@@ -51,6 +54,8 @@ class Panel:
     percent: bool = False
     held_out: str | None = None
     sft: bool = False
+    stacked: bool = False
+    run: str | None = None
 
 
 def _line(label: str, key: str | None, transform: Callable | None = None) -> tuple:
@@ -102,6 +107,12 @@ RUN_PANELS = (
     Panel("entropy", "entropy (nats per token)", (_line("", "entropy"),)),
     Panel("loss", "cross-entropy (nats per token)", (_line("", "loss"),), sft=True),
     Panel("token accuracy", "next-token accuracy (%)", (_line("", "mean_token_accuracy"),), True),
+    Panel(
+        "where a step's time goes",
+        "seconds per step",
+        tuple(_line("", key) for key in (*STAGE_KEYS, "retool/time/step")),
+        stacked=True,
+    ),
 )
 
 # The quickstart's panels (one row); accuracy and calls get the held-out before/after markers.
@@ -172,6 +183,16 @@ def run_colors(runs) -> dict[str, str]:
 
 def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int:
     """Draws one panel; returns the widest rolling window it used (1: none)."""
+    if panel.stacked:
+        draw_stages(ax, histories[panel.run] if panel.run in histories else next(iter(histories.values())))
+        ax.set_title(f"{panel.title}{f' ({panel.run})' if panel.run and len(histories) > 1 else ''}", fontsize=10)
+        ax.set_ylabel(panel.ylabel, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        return 1
     styles, widest, annotated, held_out_span = ("-", "--", ":"), 1, set(), 0
     for run, history in histories.items():
         color = colors[run]
@@ -312,6 +333,13 @@ def plot_runs(
     rewarded = any("reward" in entry for h in histories.values() for entry in h)
     chosen = [p for p in panels if _changes(p, histories) or (keep_flat and _has_values(p, histories))]
     chosen = [p for p in chosen if not (p.sft and rewarded)]
+    # A stacked panel per run that logged its parts (parts of several runs cannot share one stack).
+    chosen = [
+        replace(p, run=run) if p.stacked else p
+        for p in chosen
+        for run in (histories if p.stacked else [None])
+        if not p.stacked or _changes(p, {run: histories[run]})
+    ]
     if not chosen:
         raise ValueError("nothing to plot: none of the panels' metrics was logged (or none changed).")
     ncols = max(1, min(ncols, len(chosen)))
@@ -322,7 +350,7 @@ def plot_runs(
     widest = 1
     for ax, panel in zip(axes.flat, chosen):
         widest = max(widest, _draw_panel(ax, panel, histories, colors, evals, reward_range))
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and not panel.stacked:  # a stack's legend is its own (top first)
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(chosen) :]:
         ax.set_visible(False)

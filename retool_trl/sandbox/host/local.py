@@ -142,6 +142,7 @@ class LocalSandbox(CallResults):
     """
 
     reserve_idle_s = 60.0  # jails reserved beyond `spares` are released once none was taken for this long
+    call_observer = None  # told each call's wait and latency when set (`host.batch.CallObserver`)
 
     def __init__(
         self,
