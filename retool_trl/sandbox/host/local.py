@@ -19,7 +19,6 @@ from ..isolation import (
     Launch,
     can_drop_privileges,
     choose_level,
-    ip_sockets_refused,
     isolation_summary,
     needed_under_temp,
     seccomp_program,
@@ -211,7 +210,7 @@ class LocalSandbox(CallResults):
         report = {
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
-            "network_isolated": zygote.network_isolated,
+            "network_isolated": zygote.network_isolated or self._launch.ip_sockets_refused,  # Landlock: no IP socket
             "private_filesystem": self.isolation_used == "bwrap",
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
@@ -225,7 +224,6 @@ class LocalSandbox(CallResults):
             # private read-only view of the host (bubblewrap).
             "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
         }
-        report["network_isolated"] |= ip_sockets_refused(self._launch.socket_families, report["seccomp"])
         missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:
             missing.append("per-session jail (private /tmp, network, IPC and pid namespaces)")

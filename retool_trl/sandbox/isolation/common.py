@@ -132,13 +132,16 @@ class Launch:
     socket_families: tuple[int, ...] = (1,)
     missing: list[str] = field(default_factory=list)
 
+    @property
+    def ip_sockets_refused(self) -> bool:
+        """Whether cells cannot open an IP socket at all: the seccomp filter applies and leaves neither AF_INET nor
+        AF_INET6 (the Landlock level: the host's network stays, out of the cells' reach)."""
+        import socket
 
-def ip_sockets_refused(socket_families: tuple[int, ...], seccomp_applied: bool) -> bool:
-    """Whether cells cannot open an IP socket at all: the seccomp filter is applied and leaves neither AF_INET nor
-    AF_INET6 (the Landlock level: the network stays the host's, but no cell can reach it)."""
-    import socket
+        from .seccomp import seccomp_program
 
-    return seccomp_applied and not {socket.AF_INET, socket.AF_INET6} & set(socket_families)
+        ip = {socket.AF_INET, socket.AF_INET6}
+        return seccomp_program(self.socket_families)[0] is not None and not ip & set(self.socket_families)
 
 
 # The flags of `LocalSandbox.isolation_report()` in words, for its one-line `summary` (what holds, what does not).
