@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
+from .format.calls import CALL_FORMATS
 from .format.prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .sandbox.cell_limits import ERROR_FORMATS
@@ -35,6 +36,13 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
     Parameters:
         > Text format
 
+        call_format (`str`, defaults to `"tags"`):
+            How the model calls the interpreter. `"tags"`: the inline tags below (the ReTool paper's format).
+            `"tool_call"`: the chat template's own tool calls to a Python tool named `code_interpreter` (Qwen:
+            `<tool_call>{"name": "code_interpreter", "arguments": {"code": ...}}</tool_call>`), each result returned
+            as a `tool` message rendered by the template; needs a chat template TRL can parse (its shipped ones) that
+            is prefix-preserving. `"markdown"`: a ```` ```python ```` block, answered by an ```` ```output ````
+            fence. Whatever the format, the inserted ids are masked and the rewards read the model's own words.
         code_start (`str`, defaults to `"<code>"`):
             Tag that opens a code block written by the model.
         code_end (`str`, defaults to `"</code>"`):
@@ -182,6 +190,10 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "use_vllm=True but vLLM is not installed: install the extra with `pip install 'retool-trl[vllm]'` "
                 "or set use_vllm=False."
             )
+        if self.call_format not in CALL_FORMATS:
+            raise ValueError(
+                f"ReToolConfig.call_format must be one of {', '.join(CALL_FORMATS)}, got {self.call_format!r}."
+            )
         tags = {
             "code_start": self.code_start,
             "code_end": self.code_end,
@@ -268,4 +280,4 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
     @property
     def resolved_system_prompt(self) -> str | None:
         """The system prompt text with the configured tags filled in, or `None`."""
-        return resolve_system_prompt(self.system_prompt, Tags.from_config(self))
+        return resolve_system_prompt(self.system_prompt, Tags.from_config(self), self.call_format)

@@ -23,7 +23,9 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .errors import UserError
-from .format.parsing import Tags, with_system_prompt
+from .evaluation.inference import tokenize_prompts
+from .format.choice import call_format_from_config, call_stop, prose_format
+from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
 from .models.names import resolve_model
 from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
@@ -79,6 +81,8 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         _check_chat_template(self.processing_class, datasets, model)
+        # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
+        self._call_format = call_format_from_config(args, self._tokenizer)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
@@ -118,7 +122,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
 
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
-        spec = RolloutSpec.from_config(self.args, self.eos_token_ids, self._engine_max_model_len())
+        spec = RolloutSpec.from_config(
+            self.args, self.eos_token_ids, self._engine_max_model_len(), call_format=self._call_format
+        )
         if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
             if self.vllm_generation.mode == "server" and self.accelerator.num_processes > 1:
                 # As TRL's own server path (its `gather_object` of the prompts): no process sends a request before
@@ -139,7 +145,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             backend = VLLMBackend(
                 self.vllm_generation,
                 self._tokenizer,
-                self.args.code_end,
+                call_stop(self.args),
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
                 max_model_len=spec.max_model_len,
@@ -162,7 +168,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
         colocated engine's request-level API."""
         if self.vllm_generation.mode == "colocate":
-            return ColocateEngine(self.vllm_generation, self._tokenizer, self.args.code_end)
+            return ColocateEngine(self.vllm_generation, self._tokenizer, call_stop(self.args))
         return server_engine_from_config(
             self.args, self._tokenizer, self.vllm_generation, _server_url(self.args), self._engine_max_model_len()
         )
@@ -194,7 +200,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
         return TransformersBackend(
-            unwrapped_model, self._tokenizer, self.generation_config, self.args.code_end, self.eos_token_ids
+            unwrapped_model, self._tokenizer, self.generation_config, call_stop(self.args), self.eos_token_ids
         )
 
     def _generate_and_score_completions(self, inputs):
@@ -225,8 +231,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
         args = self.args
-        prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
-        prompt_ids = [list(ids) for ids in prompt_ids]
+        prompts = self._with_system_prompt(prompts)
+        if self.args.call_format == "tool_call":  # the tool's schema in the prompt, as evaluation renders it
+            prompt_ids = tokenize_prompts(self.processing_class, prompts, self.args)
+        else:
+            prompt_ids, _, _ = self._tokenize_prompts(prompts)
+            prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
         with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
             if args.roc_oversample > 1 and mode == "train":
@@ -279,7 +289,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         if len(inputs) != len(prompts) or "answer" not in inputs[0]:
             raise ValueError("ReToolConfig.roc_oversample > 1 needs an `answer` column in the dataset.")
         result = self._generate_rollout([ids for ids in prompt_ids for _ in range(factor)])
-        tags = Tags.from_config(self.args)
+        tags = prose_format(self.args)
         keep = []
         for g in range(0, len(prompts), group):
             rows = range(g * factor, (g + group) * factor)

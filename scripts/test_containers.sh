@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-CONTRACT_TESTS=(tests/test_sandbox_hostile.py tests/test_sandbox_jail.py tests/test_sandbox_sealed.py tests/test_sandbox_local.py)
+CONTRACT_TESTS=(tests/test_sandbox_hostile.py tests/test_sandbox_jail.py tests/test_sandbox_sealed.py tests/test_sandbox_local.py
+    tests/test_sandbox_redteam5.py)
 PYTEST=(-m pytest -q -p no:cacheprovider -rs)
 
 if [ "$(id -u)" != 0 ]; then

@@ -75,6 +75,7 @@ SAMPLING_FIELDS = (
 # How prompts become token ids: the same as in training (`inference.tokenize_prompts`).
 PROMPT_FIELDS = ("chat_template_kwargs",)
 INTERPRETER_FIELDS = (
+    "call_format",
     "code_start",
     "code_end",
     "interpreter_start",
@@ -253,10 +254,14 @@ def main(argv: Sequence[str]) -> int:
     check_tokenizer(
         tokenizer,
         model_path,
-        vars(Tags.from_config(config)),
+        vars(Tags.from_config(config)) if config.call_format == "tags" else {},  # the tags the model writes
         eval_args.pad_token,
-        needs_chat_template=eval_args.prompt_format == "conversational",
+        needs_chat_template=eval_args.prompt_format == "conversational" or config.call_format == "tool_call",
     )
+    if config.call_format == "tool_call":
+        from ..format.tool_calls import ToolCallFormat
+
+        ToolCallFormat(tokenizer, config.chat_template_kwargs)  # a template that cannot carry tool calls: refused now
     dataset = load_problems(
         eval_args.dataset,
         eval_args.split,

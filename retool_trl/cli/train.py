@@ -172,13 +172,14 @@ def build_train(argv: Sequence[str]):
     tokenizer = load_tokenizer(
         model_path, model_args.model_revision, training_args.trust_remote_code, script_args.chat_template_path
     )
-    tags = vars(Tags.from_config(training_args))
+    # The tags are checked where the model writes them; the other formats' markers are the template's or plain text.
+    tags = vars(Tags.from_config(training_args)) if training_args.call_format == "tags" else {}
     check_tokenizer(
         tokenizer,
         model_path,
         tags,
         script_args.pad_token,
-        needs_chat_template=script_args.prompt_format == "conversational",
+        needs_chat_template=script_args.prompt_format == "conversational" or training_args.call_format == "tool_call",
     )
 
     def problems(name, split, config_name, max_samples, seed):

@@ -37,17 +37,18 @@ def user_stop_ids(generation_kwargs: dict | None) -> frozenset[int]:
     return frozenset(int(i) for i in (generation_kwargs or {}).get("stop_token_ids") or [])
 
 
-def turn_stops(code_end: str, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
-    """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the code-end
-    tag while the completion may still call code."""
-    return [*stops, code_end] if stop_at_code_end else list(stops)
+def turn_stops(code_end: str | None, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
+    """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the call
+    format's stop (the code-end tag) while the completion may still call code; `None` where the call format has no
+    stop string (a turn's own end closes its calls)."""
+    return [*stops, code_end] if stop_at_code_end and code_end else list(stops)
 
 
 def finish_turn(
     token_ids: Sequence[int],
     logprobs: Sequence[float] | None,
     tokenizer,
-    code_end: str,
+    code_end: str | None,
     stops: Sequence[str],
     stop_at_code_end: bool,
     max_tokens: int,
@@ -70,7 +71,7 @@ def finish_turn(
         )
     ids = ids[:max_tokens]
     end, finished = None, False
-    if stop_at_code_end:
+    if stop_at_code_end and code_end:
         end = first_stop(ids, tokenizer, code_end)
     for stop in stops:  # a stop string completed at or before the code-end tag's token ends the completion
         cut = first_stop(ids if end is None else ids[:end], tokenizer, stop)

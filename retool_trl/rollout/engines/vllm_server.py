@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ...format.choice import call_stop
 from ..turns import (
     EngineError,
     EngineRequestError,
@@ -412,7 +413,7 @@ def server_engine_from_config(
     return CompletionsEngine(
         base_url,
         tokenizer,
-        args.code_end,
+        call_stop(args),
         sampling=sampling_from_vllm(vllm_generation),
         timeout_s=args.vllm_request_timeout_s,
         max_connections=args.rollout_concurrency,

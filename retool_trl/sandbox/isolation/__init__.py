@@ -68,5 +68,7 @@ def choose_level(mode: str, worker: str, network: bool, writable: tuple[str, ...
 
 def _seccomp_problem() -> str | None:
     """The Landlock level leans on seccomp for the network (no IP sockets): without a filter it is no level."""
-    why = seccomp_program()[1]
+    from .seccomp import FAMILIES_WITHOUT_NAMESPACES
+
+    why = seccomp_program(FAMILIES_WITHOUT_NAMESPACES, confined_owner=True)[1]
     return None if why is None else f"no seccomp filter ({why}; pip install pyseccomp and libseccomp2)"
