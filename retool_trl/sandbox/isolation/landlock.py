@@ -66,9 +66,10 @@ def launch(worker, network):
             if os.geteuid() == 0
             else "the trainer is a normal user: sessions run as that user"
         )
+        nproc_root = ", and not uid 0's" if os.geteuid() == 0 else ""
         missing.append(
             f"own uid per session ({why}); sessions share a uid and Landlock and the seccomp filter keep them apart, "
-            "but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks, and not uid 0's) bounds a fork "
+            f"but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks{nproc_root}) bounds a fork "
             "or thread bomb between the zygote's samples"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
