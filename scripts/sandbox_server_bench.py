@@ -42,8 +42,8 @@ def _server(workers: int, max_concurrency: int = 256, max_sessions: int | None =
     port = _free_port()
     cmd = [sys.executable, "-m", "retool_trl", "sandbox-server", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--workers", str(workers), "--max-concurrency", str(max_concurrency)]
-    if max_sessions is not None:
-        cmd += ["--max-sessions", str(max_sessions)]
+    if max_sessions is not None:  # one client (this benchmark) holds them all
+        cmd += ["--max-sessions", str(max_sessions), "--max-sessions-per-client", str(max_sessions)]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -37,11 +37,13 @@ def _parser() -> OneLineParser:
         if field.name in ("host", "port", "token"):
             continue
         flag = "--" + field.name.replace("_", "-")
+        said = field.metadata.get("help", "")
         if field.type in ("bool",):
-            parser.add_argument(flag, action="store_true", help=f"(default: {field.default})")
+            parser.add_argument(flag, action="store_true", help=f"{said} (default: {field.default})".strip())
             continue
         kind = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}[field.type]
-        parser.add_argument(flag, type=kind, default=field.default, help=f"(default: {field.default})")
+        shown = "" if field.default is None else f" (default: {field.default})"  # a None default's help says it
+        parser.add_argument(flag, type=kind, default=field.default, help=f"{said}{shown}".strip())
     return parser
 
 
@@ -61,6 +63,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         raise UserError(one_line(error)) from None
     from ..sandbox.host.zygote import SandboxStartError, UnsafeSandboxError
+    from ..sandbox.server.http import head_timeout_protocol
     from ..sandbox.server.table import SessionTable
 
     table = SessionTable(config)
@@ -83,5 +86,8 @@ def main(argv: Sequence[str]) -> int:
         timeout_graceful_shutdown=config.grace_s,
         # Keep-alive connections of a trainer's pool stay open between rollout steps.
         timeout_keep_alive=75,
+        # A request head must come whole and soon: bounded in size (h11's limit) and in time (the protocol's).
+        http=head_timeout_protocol(config.header_timeout_s),
+        h11_max_incomplete_event_size=16 * 1024,
     )
     return 0

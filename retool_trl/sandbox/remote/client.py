@@ -29,6 +29,7 @@ import uuid
 import weakref
 import zlib
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 from ..base import ExecResult, SessionBase, check_pairs, cut_output, refusal, signal_death_line, truncate_output
@@ -41,6 +42,9 @@ __all__ = ["RemoteSandbox", "RemoteSession"]
 # A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
 # better served by an infrastructure error (retried or dropped by the caller) than by a stalled batch.
 _MAX_WAIT_S = 30.0
+
+# How long `close()` waits for the sessions being closed on their servers.
+_CLOSE_WAIT_S = 10.0
 
 # The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
 _sleep = time.sleep
@@ -90,7 +94,7 @@ class RemoteSession(SessionBase):
         if remote_id is not None:
             sandbox = self._sandbox
             try:
-                sandbox._start()[1].submit(close_remote, sandbox, self.server, remote_id)
+                sandbox._track_close(sandbox._start()[1].submit(close_remote, sandbox, self.server, remote_id))
             except RuntimeError:  # the sandbox is closed: the server closes the session after its idle time
                 pass
 
@@ -183,6 +187,8 @@ class RemoteSandbox:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._closing: set = set()  # sessions being closed on their server: `close()` lets them finish
+        self._closing_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, RemoteSandbox._shutdown, [None, None])
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -213,10 +219,24 @@ class RemoteSandbox:
             client.close()
 
     def close(self) -> None:
-        """Closes the HTTP client. Idempotent."""
+        """Closes the HTTP client, once the sessions closed before have been closed on their servers (or a few
+        seconds passed: a server that does not answer closes them after its idle time). Idempotent."""
+        with self._closing_lock:
+            pending = list(self._closing)
+        futures.wait(pending, timeout=_CLOSE_WAIT_S)  # before `_closed`: their requests need the client
         with self._lock:
             self._closed = True
         self._finalizer()
+
+    def _track_close(self, closing: futures.Future) -> None:
+        with self._closing_lock:
+            self._closing.add(closing)
+
+        def done(future):
+            with self._closing_lock:
+                self._closing.discard(future)
+
+        closing.add_done_callback(done)
 
     def __enter__(self) -> RemoteSandbox:
         return self
@@ -367,13 +387,15 @@ class RemoteSandbox:
             if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
             raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
-        if not resend and reply.status_code >= 500 and reply.status_code != 503:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")
-        if reply.status_code >= 500 or reply.status_code == 429:
-            asked = _retry_after(reply.headers.get("Retry-After")) if reply.status_code in (429, 503) else None
-            raise _Retryable(f"HTTP {reply.status_code}", asked)
-        if reply.status_code >= 400:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
+        status = reply.status_code
+        if not resend and status >= 500 and status != 503:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)
+        # 409 with Retry-After: our server's session is still running an earlier cell and ran nothing of this one.
+        if status >= 500 or status == 429 or (status == 409 and reply.headers.get("Retry-After")):
+            asked = _retry_after(reply.headers.get("Retry-After")) if status in (409, 429, 503) else None
+            raise _Retryable(f"HTTP {status}", asked)
+        if status >= 400:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)  # a bad request stays bad
         try:
             data = reply.json()
         except ValueError:

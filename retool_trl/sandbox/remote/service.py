@@ -3,8 +3,10 @@
 A session lives on one server for its life; its cells run there in its jail, so nothing is replayed. What can go
 wrong and what the cell then gets:
 
-- the server is busy (429) or cannot be reached before the request is sent: retried with backoff, as for
-  SandboxFusion;
+- the server is busy (429), the session is still running an earlier cell (409: the server ran nothing), or it
+  cannot be reached before the request is sent: retried with backoff, as for SandboxFusion;
+- the server refuses the limits asked (400) or confirms others than asked: a `RuntimeError` naming the limit (a
+  setting to fix, not a failure to retry);
 - the connection breaks after the cell was sent, the server answers 5xx, or it no longer knows the session (it
   restarted, or the session expired): the cell may or may not have run and the session's state is gone, so the
   session ends with an `infra_error` result (the rollout retries that completion), never a snippet error.
@@ -29,9 +31,10 @@ class ServiceFailure(Exception):
     """The service failed (after retries where retrying made sense): an infrastructure error, not the cell's.
     `unreachable`: the server could not be reached or dropped the connection (it may be gone)."""
 
-    def __init__(self, problem: str, unreachable: bool = False):
+    def __init__(self, problem: str, unreachable: bool = False, status: int | None = None):
         super().__init__(problem)
         self.unreachable = unreachable
+        self.status = status  # the HTTP status the server answered with, if it answered
 
 
 def offers_sessions(client, url: str, headers: dict | None = None) -> bool | None:
@@ -63,9 +66,17 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
                 "max_output_chars": sandbox.max_output_chars,
                 "show_last_expression": sandbox.show_last_expression,
             }
-            opened = sandbox._request("POST", session.server, SESSIONS_PATH, limits, _PROBE_TIMEOUT_S + 20, True)
+            try:
+                opened = sandbox._request("POST", session.server, SESSIONS_PATH, limits, _PROBE_TIMEOUT_S + 20, True)
+            except ServiceFailure as exc:
+                if exc.status == 400:  # the server cannot give these limits: no retry will change that
+                    raise RuntimeError(
+                        f"the sandbox server {session.server} refused this trainer's limits ({exc}); set the "
+                        "sandbox limits within the server's ranges, or start it with larger maxima"
+                    ) from None
+                raise
             session._remote_id = str(opened["session_id"])
-            _warn_if_clamped(sandbox, opened.get("limits") or {})
+            _check_confirmed(sandbox, session, limits, opened.get("limits"))
         path = f"{SESSIONS_PATH}/{session._remote_id}/run"
         timeout = sandbox.request_timeout_s or sandbox.timeout_s + 30.0
         # Not retried once sent: the cell may have run, and running it twice would change the session's state.
@@ -88,16 +99,23 @@ def close_remote(sandbox, server: str, remote_id: str) -> None:
         logger.debug("closing session %s on %s: %s", remote_id, server, exc)
 
 
-_warned: set[tuple] = set()
+def _check_confirmed(sandbox, session, asked: dict, confirmed) -> None:
+    """A session runs with exactly the limits it asked for: one the server confirms with other limits (lower ones
+    would cut right answers or time them out and score them as the model's errors) is closed and refused.
 
-
-def _warn_if_clamped(sandbox, limits: dict) -> None:
-    """Says once when the server gives less than asked (its own maxima): cells may then fail where local ones pass."""
-    asked = {"timeout_s": sandbox.timeout_s, "memory_mb": sandbox.memory_mb}
-    lower = {k: limits[k] for k in asked if k in limits and float(limits[k]) < float(asked[k])}
-    key = (id(sandbox), tuple(sorted(lower.items())))
-    if lower and key not in _warned:
-        _warned.add(key)
-        logger.warning(
-            "the sandbox server lowered this trainer's limits to its maxima: asked %s, got %s", asked, lower
-        )
+    Raises:
+        `RuntimeError`: naming the first limit that differs, what was asked and what the server confirmed.
+    """
+    confirmed = confirmed if isinstance(confirmed, dict) else {}
+    for name, want in asked.items():
+        got = confirmed.get(name)
+        if isinstance(want, bool) and name not in confirmed:
+            continue  # servers before this check did not confirm the flag (they served it as asked)
+        same = got == want if isinstance(want, bool) else isinstance(got, int | float) and float(got) == float(want)
+        if not same:
+            remote_id, session._remote_id = session._remote_id, None
+            close_remote(sandbox, session.server, remote_id)
+            raise RuntimeError(
+                f"the sandbox server {session.server} confirmed {name}={got!r} where this trainer asked {want!r}: "
+                "its sessions would not run as asked (an older or misconfigured server); refusing the session"
+            )
