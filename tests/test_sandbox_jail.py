@@ -84,7 +84,7 @@ def report(sandbox):
 
 def _require(report, key):
     if not report.get(key, True):  # a sandbox that does not report the key promises it: the test then decides
-        pytest.skip(f"needs {key}; missing here: {report['missing']}")
+        pytest.skip(f"needs {key} (isolation level here: {report.get('isolation')})")
 
 
 def _last_line(result):

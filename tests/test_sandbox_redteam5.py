@@ -48,7 +48,7 @@ def sandbox(request):
     try:
         sb.isolation_report()
     except SandboxStartError as exc:
-        pytest.skip(f"the {request.param} level does not run here: {exc}")
+        pytest.skip(f"the {request.param} level does not run here ({str(exc).rsplit(': ', 1)[-1][:80]})")
     yield sb
     sb.close()
 

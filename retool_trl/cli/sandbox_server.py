@@ -5,7 +5,6 @@ URL) at it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -74,9 +73,9 @@ def main(argv: Sequence[str]) -> int:
     except (UnsafeSandboxError, SandboxStartError) as error:
         table.close()
         raise UserError(f"the sandbox cannot start here: {one_line(error)}") from None
-    print(f"[retool-trl] sandbox isolation: {json.dumps(report)}", flush=True)
-    if report.get("missing"):
-        logger.warning("sandbox-server: protections missing here: %s", "; ".join(report["missing"]))
+    # One line of what holds and what does not; each missing protection in full is in GET /health's `missing`.
+    where = " What it does not give, in full: GET /health ('missing')." if report.get("missing") else ""
+    print(f"[retool-trl] sandbox isolation: {report.get('summary', report.get('isolation'))}{where}", flush=True)
     app = create_app(config, table)
     print(f"[retool-trl] sandbox server on http://{config.host}:{config.port}", flush=True)
     uvicorn.run(

@@ -162,9 +162,11 @@ def build_sft(argv: Sequence[str]):
     from ..format.prompts import resolve_system_prompt
     from ..models.names import check_hub_id
     from ..models.tokenizers import check_tokenizer, load_tokenizer
+    from ..reporting.output_folder import check_output_dir
     from ..sft import build_sft_trainer
 
     script_args, sft_args, model_args = parse_sft_args(argv)
+    check_output_dir(sft_args.output_dir)  # before anything is loaded
     model_path = resolve_model_path(model_args.model_name_or_path)
     if not script_args.dataset_name:
         raise UserError("no traces: set `dataset_name` (e.g. JoeYing/ReTool-SFT or a local .jsonl file).")

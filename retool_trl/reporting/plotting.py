@@ -169,6 +169,18 @@ def _reward_range(histories: Mapping[str, Sequence[dict]]) -> tuple[float, float
     return None
 
 
+# A run has the same color in every figure (the quickstart's two runs by name); a single run's other series (with
+# and without code, errors and timeouts) take colors no run has.
+RUN_COLORS = {"tool_rl": "C0", "text_rl": "C1"}
+SERIES_COLORS = ("C2", "C4", "C6")
+
+
+def run_colors(runs) -> dict[str, str]:
+    """The color of each run: the quickstart's runs by name, others the next colors no run has taken."""
+    free = iter(c for c in (f"C{i}" for i in range(10)) if c not in RUN_COLORS.values() and c not in SERIES_COLORS)
+    return {run: RUN_COLORS.get(run) or next(free, "C9") for run in runs}
+
+
 def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int:
     """Draws one panel; returns the widest rolling window it used (1: none)."""
     if panel.stacked:
@@ -187,8 +199,8 @@ def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int
         for index, ((label, steps, values), style) in enumerate(zip(_panel_series(panel, history), styles)):
             if not values:
                 continue
-            if len(histories) == 1:  # one run: colors tell the series apart (several runs: colors are the runs)
-                color = f"C{index}"
+            if len(histories) == 1 and index:  # one run: colors tell its series apart, never another run's color
+                color = SERIES_COLORS[(index - 1) % len(SERIES_COLORS)]
             name = " · ".join(part for part in (run if len(histories) > 1 else "", label) if part) or None
             window = _window(len(values))
             widest = max(widest, window)
@@ -333,7 +345,7 @@ def plot_runs(
     ncols = max(1, min(ncols, len(chosen)))
     nrows = -(-len(chosen) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.1 * nrows + 0.6), squeeze=False)
-    colors = {run: f"C{i}" for i, run in enumerate(histories)}
+    colors = run_colors(histories)
     reward_range = reward_range or _reward_range(histories)
     widest = 1
     for ax, panel in zip(axes.flat, chosen):
@@ -408,8 +420,17 @@ def plot_comparison(
     )
 
 
-def _title(runs: Sequence[str], info: Mapping) -> str:
-    parts = [" and ".join(runs)]
+# What the quickstart's runs are, for the title of a figure of one of them.
+RUN_MEANINGS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without the interpreter"}
+
+
+def _title(runs: Sequence[str], info: Mapping, folder: Path | None = None) -> str:
+    named = [f"{run} ({RUN_MEANINGS[run]})" if run in RUN_MEANINGS and len(runs) == 1 else run for run in runs]
+    parts = [" and ".join(named)]
+    if len(runs) == 1 and info.get("command"):
+        parts.append(str(info["command"]))
+    if len(runs) == 1 and not info and folder is not None:  # nothing recorded: at least say which folder it is
+        parts.append(f"training run in {folder.resolve()}")
     parts += [f"{k} {info[k]}" for k in ("task", "model", "dataset", "seed") if info.get(k) not in (None, "")]
     return " · ".join(parts)
 
@@ -430,7 +451,7 @@ def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequenc
     histories = {name: load_log_history(states[name]) for name in order}
     evals = {name: info["evals"][name] for name in histories if name in info.get("evals", {})}
     output = folder / "training_curves.png" if output is None else output
-    title = _title(list(histories), info)
+    title = _title(list(histories), info, folder)
     if metrics:
         panels = [Panel(key, "logged value", (_line("", key),)) for key in metrics]
         return plot_runs(histories, output, panels, title=title, keep_flat=True)

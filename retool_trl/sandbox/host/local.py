@@ -19,6 +19,7 @@ from ..isolation import (
     Launch,
     can_drop_privileges,
     choose_level,
+    isolation_summary,
     needed_under_temp,
     warn_once,
 )
@@ -209,7 +210,7 @@ class LocalSandbox(CallResults):
         report = {
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
-            "network_isolated": zygote.network_isolated,
+            "network_isolated": zygote.network_isolated or self._launch.ip_sockets_refused,  # Landlock: no IP socket
             "private_filesystem": self.isolation_used == "bwrap",
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
@@ -236,8 +237,7 @@ class LocalSandbox(CallResults):
             missing.append("network isolation")
         if not report["seccomp"]:
             missing.append(f"seccomp filter: {self._launch.seccomp()[1]}")
-        report["missing"] = missing
-        return report
+        return {**report, "missing": missing, "summary": isolation_summary(report)}
 
     def _start(self) -> _Zygote:
         """Starts the zygote on first use (or after it died): no processes exist before that."""

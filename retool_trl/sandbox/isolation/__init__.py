@@ -21,6 +21,7 @@ from .common import (
     Launch,
     can_drop_privileges,
     clean_env,
+    isolation_summary,
     needed_under_temp,
     warn_once,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "choose_level",
     "clean_env",
     "find_bwrap",
+    "isolation_summary",
     "needed_under_temp",
     "seccomp_program",
     "warn_once",

@@ -145,3 +145,35 @@ class Launch:
         from .seccomp import seccomp_program
 
         return seccomp_program(self.socket_families, self.confined_owner)
+
+    @property
+    def ip_sockets_refused(self) -> bool:
+        """Whether cells cannot open an IP socket at all: the seccomp filter applies and leaves neither AF_INET nor
+        AF_INET6 (the Landlock level: the host's network stays, out of the cells' reach)."""
+        import socket
+
+        ip = {socket.AF_INET, socket.AF_INET6}
+        return self.seccomp()[0] is not None and not ip & set(self.socket_families)
+
+
+# The flags of `LocalSandbox.isolation_report()` in words, for its one-line `summary` (what holds, what does not).
+_FLAG_WORDS = {
+    "jail_per_session": "namespaces of its own per session",
+    "filesystem_confined": "reads and writes confined to what the interpreter needs",
+    "network_isolated": "no network",
+    "own_uid_per_session": "a uid of its own per session",
+    "seccomp": "seccomp filter",
+    "memory_cgroup": "memory bounded by a cgroup",
+    "pids_cgroup": "process count bounded by a cgroup",
+}
+
+
+def isolation_summary(report: dict) -> str:
+    """One line a person reads first: the level, the protections that hold, those that do not (the list
+    `missing` says each in full)."""
+    holds = [words for flag, words in _FLAG_WORDS.items() if report.get(flag)]
+    lacks = [words for flag, words in _FLAG_WORDS.items() if not report.get(flag)]
+    text = f"isolation level {report.get('isolation')}: holds: {', '.join(holds) or 'nothing of the contract'}"
+    if lacks:
+        text += f"; does not hold: {', '.join(lacks)} (each in full under 'missing')"
+    return text + "."

@@ -60,12 +60,17 @@ def launch(worker, network):
         # container's root, without CAP_SYS_PTRACE, watches it through its fsuid (`fsuid.py`).
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
+        why = (
+            "the trainer is root that may not change uids, or the kernel refuses it the /proc files of a process "
+            "of another uid: sessions run as uid 0 without any capability"
+            if os.geteuid() == 0
+            else "the trainer is a normal user: sessions run as that user"
+        )
+        nproc_root = ", and not uid 0's" if os.geteuid() == 0 else ""
         missing.append(
-            "own uid per session (the trainer is not root, or is root that may not change uids, or the kernel "
-            "refuses it the /proc files of a process of another uid: sessions then run as uid 0 without any "
-            "capability, or as the trainer's uid); sessions share a uid and Landlock and the seccomp filter keep "
-            "them apart, but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks, and not uid 0's) "
-            "bounds a fork or thread bomb between the zygote's samples"
+            f"own uid per session ({why}); sessions share a uid and Landlock and the seccomp filter keep them apart, "
+            f"but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks{nproc_root}) bounds a fork "
+            "or thread bomb between the zygote's samples"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
     return Launch("landlock", [], None, rules, families, missing, confined_owner=True)
