@@ -13,6 +13,18 @@ from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .sandbox.cell_limits import ERROR_FORMATS
 
 
+def _truncated_sampling(args, generation_kwargs: dict) -> str | None:
+    """The settings that truncate sampling (`top_p < 1`, `top_k > 0`, `min_p > 0`, from the fields or from
+    `generation_kwargs`, which vLLM reads last), as `name=value` text; `None` when sampling is not truncated."""
+    values = {name: generation_kwargs.get(name, getattr(args, name, None)) for name in ("top_p", "top_k", "min_p")}
+    truncating = {
+        "top_p": values["top_p"] is not None and values["top_p"] < 1.0,
+        "top_k": values["top_k"] is not None and values["top_k"] > 0,
+        "min_p": values["min_p"] is not None and values["min_p"] > 0.0,
+    }
+    return ", ".join(f"{name}={values[name]}" for name, on in truncating.items() if on) or None
+
+
 def _bf16_supported() -> bool:
     """Whether transformers would accept `bf16=True` without `use_cpu` (a bf16 GPU, or an XLA device)."""
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -175,6 +187,14 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "ReToolConfig.generation_kwargs['min_tokens'] is not supported: vLLM applies it to each request, and "
                 "the rollout makes one request per turn, so every turn (each code call's continuation too) would be "
                 "forced to that length, not the completion. Remove min_tokens."
+            )
+        truncation = _truncated_sampling(self, generation_kwargs)
+        if truncation and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"ReToolConfig: {truncation} with vllm_importance_sampling_correction biases the correction (vLLM's "
+                "log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the whole "
+                "vocabulary, so every weight is scaled by the kept probability mass, not corrected); sample without "
+                "truncation (top_p=1.0, top_k=0, min_p=0.0) or set vllm_importance_sampling_correction=False."
             )
         if generation_kwargs.get("num_return_sequences", 1) != 1:
             raise ValueError(

@@ -12,8 +12,10 @@ Where a step's time goes is timed around TRL's own methods, which are called unc
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
+import time
 import warnings
 
 import torch
@@ -41,6 +43,8 @@ from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
 from .training.stage_timings import StageTimings
+
+logger = logging.getLogger(__name__)
 
 
 class ReToolTrainer(StageTimings, GRPOTrainer):
@@ -175,22 +179,37 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
 
     def _engine_max_model_len(self) -> int | None:
         """The vLLM engine's context limit (prompt + completion tokens): the colocated engine's own, or the server's
-        (its `/v1/models` card); `None` without vLLM or when the server does not say."""
+        (its `/v1/models` card); `None` without vLLM or when the server's card does not say.
+
+        A server that fails to answer (an HTTP error, a timeout) is asked again, a few times now and at the next
+        rollout: a failed answer is never kept as "no limit", which would turn the context protection off for the
+        whole run (and the first full context would stop it with HTTP 400)."""
         if not self.use_vllm:
             return None
-        if getattr(self, "_max_model_len", 0) == 0:  # asked once
-            self._max_model_len = None
-            if self.vllm_generation.mode == "colocate":
-                with contextlib.suppress(AttributeError):
-                    self._max_model_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len
-                self._max_model_len = self._max_model_len or self.args.vllm_max_model_length
-            else:
-                import httpx
-
-                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                    reply = httpx.get(f"{_server_url(self.args)}/v1/models", timeout=30.0)
-                    self._max_model_len = reply.json()["data"][0].get("max_model_len")
-        return self._max_model_len
+        if getattr(self, "_max_model_len", 0) != 0:  # known (a card without the field is known as `None`)
+            return self._max_model_len
+        if self.vllm_generation.mode == "colocate":
+            limit = None
+            with contextlib.suppress(AttributeError):
+                limit = self.vllm_generation.llm.llm_engine.model_config.max_model_len
+            self._max_model_len = limit or self.args.vllm_max_model_length
+            return self._max_model_len
+        url, problem = f"{_server_url(self.args)}/v1/models", None
+        for attempt in range(3):
+            problem = _served_max_model_len(url)
+            if not isinstance(problem, str):
+                self._max_model_len = problem
+                if problem is None:
+                    logger.warning(
+                        "the vLLM server's model card (%s) has no max_model_len: turns are not fitted to its context",
+                        url,
+                    )
+                return problem
+            time.sleep(0.5 * 2**attempt)
+        logger.warning(
+            "could not read the vLLM server's context limit (%s): %s; asking again next rollout", url, problem
+        )
+        return None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
@@ -238,6 +257,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             prompt_ids, _, _ = self._tokenize_prompts(prompts)
             prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
+        self._sandbox_health.what = "training" if mode == "train" else "evaluation"  # what stops, in its message
         with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
             if args.roc_oversample > 1 and mode == "train":
                 result = self._resample_on_correct(prompts, prompt_ids)
@@ -342,11 +362,27 @@ def _server_url(args) -> str:
     if args.vllm_server_base_url:
         return args.vllm_server_base_url
     host = args.vllm_server_host
-    if host in ("0.0.0.0", ""):
+    if host in ("0.0.0.0", "::", ""):
         # A server listening on every interface, where TRL's main process reaches it (its own host): the launcher's
         # MASTER_ADDR, so that processes on other nodes reach it too; this host when run without a launcher.
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if ":" in host and not host.startswith("["):  # an IPv6 address goes in brackets in a URL
+        host = f"[{host}]"
     return f"http://{host}:{args.vllm_server_port}"
+
+
+def _served_max_model_len(url: str) -> int | None | str:
+    """The `max_model_len` of the first model on a vLLM server's `/v1/models` (`url`), `None` when its card has
+    none, or the problem (a string) when the server did not answer with a card."""
+    import httpx
+
+    try:
+        reply = httpx.get(url, timeout=30.0)
+        reply.raise_for_status()
+        limit = reply.json()["data"][0].get("max_model_len")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return int(limit) if limit else None
 
 
 def _check_answer_column(reward_funcs, *datasets) -> None:

@@ -75,7 +75,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
 
 
 def generate_with_interpreter(
-    model, tokenizer, prompts: Sequence, args, sandbox=None, batch_size: int = 64
+    model, tokenizer, prompts: Sequence, args, sandbox=None, batch_size: int = 64, health: SandboxHealth | None = None
 ) -> RolloutResult:
     """Samples one completion per prompt with code execution, exactly as `ReToolTrainer` rolls out.
 
@@ -86,6 +86,8 @@ def generate_with_interpreter(
         args: A `ReToolConfig` (tags, limits, sampling settings, sandbox).
         sandbox: A sandbox to reuse; by default one is built from `args` and closed afterwards.
         batch_size: Sequences generated together.
+        health: The sandbox's watch to carry on (a caller that calls this chunk by chunk on one sandbox passes one,
+            so the sandbox is probed before the first chunk only); by default a new one.
 
     Raises:
         `SandboxUnavailableError`: The sandbox cannot run a trivial cell, or every call of a batch failed in it.
@@ -100,7 +102,7 @@ def generate_with_interpreter(
     sandbox = sandbox_from_config(args) if own_sandbox else with_cell_limits(sandbox, args)
     # A sandbox that cannot run code stops the evaluation (`SandboxUnavailableError`) rather than score every
     # completion as if the model had not used the interpreter.
-    health = SandboxHealth("evaluation")
+    health = health or SandboxHealth("evaluation")
     watched = health.watch(sandbox)
     parts = []
     try:

@@ -232,6 +232,10 @@ def interleaved_rollout(
             texts = _decode(tokenizer, [out.token_ids for out in outputs])
             pending: list[tuple[_Row, list[Call]]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
+                if out.aborted:  # the engine gave the turn up: unscored (`infra_failed`), as in the async loop
+                    rows[i].infra_errors += 1
+                    rows[i].infra_failed = rows[i].done = True
+                    continue
                 have_logprobs &= out.logprobs is not None
                 calls = rows[i].take_turn(out, text, spec, eos)
                 if calls:

@@ -87,6 +87,31 @@ def finish_turn(
     return TurnOutput(ids, kept, finished)
 
 
+def fitting_parts(lengths: Sequence[int], budgets: Sequence[int], limit: int | None) -> list[list[int]]:
+    """Indices of turns (`lengths[i]` prompt tokens, `budgets[i]` tokens to generate) split into requests whose one
+    `max_tokens`, the largest budget of the request, fits every prompt of it (vLLM checks prompt + `max_tokens` <=
+    `max_model_len` for each prompt and refuses the whole request otherwise).
+
+    The largest budget left sets a request's `max_tokens`, and every turn whose context has room for it goes beside
+    it (it decodes past its own budget and is cut there): with a limit sized as TRL advises (longest prompt +
+    completion), a turn's own budget always fits its context, so most turns fit beside the first and a batch needs a
+    few requests, not one per distinct budget. A turn that fits nowhere is sent alone: the server says why.
+    """
+    left = sorted(range(len(lengths)), key=lambda i: -budgets[i])
+    if not limit:
+        return [sorted(left)] if left else []
+    parts = []
+    while left:
+        budget = budgets[left[0]]
+        part = [i for i in left if lengths[i] + budget <= limit]
+        if left[0] not in part:  # its own budget passes its context: alone
+            part = [left[0]]
+        parts.append(sorted(part))
+        taken = set(part)
+        left = [i for i in left if i not in taken]
+    return parts
+
+
 def _logprob(value) -> float:
     # TRL's client turns a NaN log-prob into `None` (JSON has no NaN); its trainer reads `None` as NaN and keeps such
     # tokens out of the importance-sampling correction. The same here: NaN, never an exception mid-rollout.
@@ -98,6 +123,7 @@ __all__ = [
     "EngineRequestError",
     "EngineTimeoutError",
     "finish_turn",
+    "fitting_parts",
     "turn_stops",
     "user_stop_ids",
     "user_stops",

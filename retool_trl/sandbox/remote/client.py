@@ -127,7 +127,9 @@ class RemoteSandbox:
         retries (`int`, defaults to `3`): Extra attempts after a failure of the service.
         backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time (at most 30 s), plus a random
             jitter of up to `backoff_s` so that the retries of a batch do not arrive together.
-        request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s).
+        request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s; on
+            our sandbox server a session's cell waits as long as the server answers its `/health`, since a busy
+            server's late answer is the cell's and a timeout would lose the session's state).
         max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
         language (`str`, defaults to `"python"`): The service's language name for Python.
@@ -364,9 +366,14 @@ class RemoteSandbox:
             failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
         except _ServiceFailure as exc:
             failure = exc
-        if failure.unreachable and len(self.urls) > 1:  # new sessions go elsewhere for a while
-            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
+        if failure.unreachable:
+            self._mark_down(server)
         raise failure
+
+    def _mark_down(self, server: str) -> None:
+        """New sessions go to the other servers for a while (where there are others)."""
+        if len(self.urls) > 1:
+            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
 
     def _wait(self, retry_state) -> float:
         """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
@@ -386,7 +393,9 @@ class RemoteSandbox:
         except httpx.HTTPError as exc:
             if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
+            # A server that took the request and is slow to answer is busy, not gone: it keeps its new sessions.
+            unreachable = not isinstance(exc, httpx.ReadTimeout)
+            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
         status = reply.status_code
         if not resend and status >= 500 and status != 503:
             raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)

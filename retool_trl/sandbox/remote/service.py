@@ -9,12 +9,18 @@ wrong and what the cell then gets:
   setting to fix, not a failure to retry);
 - the connection breaks after the cell was sent, the server answers 5xx, or it no longer knows the session (it
   restarted, or the session expired): the cell may or may not have run and the session's state is gone, so the
-  session ends with an `infra_error` result (the rollout retries that completion), never a snippet error.
+  session ends with an `infra_error` result (the rollout retries that completion), never a snippet error;
+- the answer is late (the server is busy: its cells wait for a worker before their own time limit starts): the
+  cell is waited for as long as the server answers its `/health` (asked every `timeout_s + 30` s), since giving up
+  would lose the session's state and move the server's load onto the others; a server that stops answering ends
+  the wait, and the session, at the next check. `request_timeout_s`, when set, bounds the wait instead.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 
 from ..base import ExecResult
@@ -25,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 SESSIONS_PATH = "/sessions"
 _PROBE_TIMEOUT_S = 10.0
+# Past a cell's own time limit, how long to wait for its answer before asking whether the server is still there.
+_REPLY_MARGIN_S = 30.0
+# The longest a request thread waits for a server that answers its health checks but never the cell.
+_LONGEST_WAIT_S = 3600.0
 
 
 class ServiceFailure(Exception):
@@ -78,9 +88,11 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
             session._remote_id = str(opened["session_id"])
             _check_confirmed(sandbox, session, limits, opened.get("limits"))
         path = f"{SESSIONS_PATH}/{session._remote_id}/run"
-        timeout = sandbox.request_timeout_s or sandbox.timeout_s + 30.0
         # Not retried once sent: the cell may have run, and running it twice would change the session's state.
-        reply = sandbox._request("POST", session.server, path, {"code": code}, timeout, False)
+        if sandbox.request_timeout_s:
+            reply = sandbox._request("POST", session.server, path, {"code": code}, sandbox.request_timeout_s, False)
+        else:
+            reply = _wait_while_alive(sandbox, session.server, path, {"code": code})
         result = ExecResult(**reply["results"][0])
     except (ServiceFailure, KeyError, IndexError, TypeError, ValueError) as exc:
         session._broken = "infrastructure error"
@@ -89,6 +101,45 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
     if result.infra_error:
         session._broken = "infrastructure error"
     return result
+
+
+def _wait_while_alive(sandbox, server: str, path: str, body: dict) -> dict:
+    """POSTs `body` and waits for the answer as long as the server answers its `/health` (see the module
+    docstring); raises `ServiceFailure` (unreachable) once it does not."""
+    import httpx
+
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+    timeout = httpx.Timeout(_LONGEST_WAIT_S, connect=_PROBE_TIMEOUT_S)
+
+    def send() -> None:
+        try:
+            answer.set_result(sandbox._request("POST", server, path, body, timeout, False))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            answer.set_exception(exc)
+
+    threading.Thread(target=send, name="retool-remote-cell", daemon=True).start()
+    while True:
+        try:
+            return answer.result(timeout=sandbox.timeout_s + _REPLY_MARGIN_S)
+        except concurrent.futures.TimeoutError:
+            if not _alive(sandbox, server):
+                sandbox._mark_down(server)
+                raise ServiceFailure(
+                    f"no answer {sandbox.timeout_s + _REPLY_MARGIN_S:g} s into the cell, and {server}/health does not "
+                    "answer",
+                    unreachable=True,
+                ) from None
+
+
+def _alive(sandbox, server: str) -> bool:
+    """Whether the server answers `GET /health` (busy or draining included: it still answers its running calls)."""
+    import httpx
+
+    try:
+        reply = sandbox._start()[0].get(f"{server}/health", timeout=_PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return reply.status_code < 500 or reply.status_code == 503
 
 
 def close_remote(sandbox, server: str, remote_id: str) -> None:
