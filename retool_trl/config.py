@@ -7,9 +7,22 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
+from .format.calls import CALL_FORMATS
 from .format.prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
 from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .sandbox.cell_limits import ERROR_FORMATS
+
+
+def _truncated_sampling(args, generation_kwargs: dict) -> str | None:
+    """The settings that truncate sampling (`top_p < 1`, `top_k > 0`, `min_p > 0`, from the fields or from
+    `generation_kwargs`, which vLLM reads last), as `name=value` text; `None` when sampling is not truncated."""
+    values = {name: generation_kwargs.get(name, getattr(args, name, None)) for name in ("top_p", "top_k", "min_p")}
+    truncating = {
+        "top_p": values["top_p"] is not None and values["top_p"] < 1.0,
+        "top_k": values["top_k"] is not None and values["top_k"] > 0,
+        "min_p": values["min_p"] is not None and values["min_p"] > 0.0,
+    }
+    return ", ".join(f"{name}={values[name]}" for name, on in truncating.items() if on) or None
 
 
 def _bf16_supported() -> bool:
@@ -35,6 +48,13 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
     Parameters:
         > Text format
 
+        call_format (`str`, defaults to `"tags"`):
+            How the model calls the interpreter. `"tags"`: the inline tags below (the ReTool paper's format).
+            `"tool_call"`: the chat template's own tool calls to a Python tool named `code_interpreter` (Qwen:
+            `<tool_call>{"name": "code_interpreter", "arguments": {"code": ...}}</tool_call>`), each result returned
+            as a `tool` message rendered by the template; needs a chat template TRL can parse (its shipped ones) that
+            is prefix-preserving. `"markdown"`: a ```` ```python ```` block, answered by an ```` ```output ````
+            fence. Whatever the format, the inserted ids are masked and the rewards read the model's own words.
         code_start (`str`, defaults to `"<code>"`):
             Tag that opens a code block written by the model.
         code_end (`str`, defaults to `"</code>"`):
@@ -168,6 +188,14 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "the rollout makes one request per turn, so every turn (each code call's continuation too) would be "
                 "forced to that length, not the completion. Remove min_tokens."
             )
+        truncation = _truncated_sampling(self, generation_kwargs)
+        if truncation and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"ReToolConfig: {truncation} with vllm_importance_sampling_correction biases the correction (vLLM's "
+                "log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the whole "
+                "vocabulary, so every weight is scaled by the kept probability mass, not corrected); sample without "
+                "truncation (top_p=1.0, top_k=0, min_p=0.0) or set vllm_importance_sampling_correction=False."
+            )
         if generation_kwargs.get("num_return_sequences", 1) != 1:
             raise ValueError(
                 "ReToolConfig.generation_kwargs['num_return_sequences'] must be 1: the rollout continues each "
@@ -181,6 +209,10 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             raise ValueError(
                 "use_vllm=True but vLLM is not installed: install the extra with `pip install 'retool-trl[vllm]'` "
                 "or set use_vllm=False."
+            )
+        if self.call_format not in CALL_FORMATS:
+            raise ValueError(
+                f"ReToolConfig.call_format must be one of {', '.join(CALL_FORMATS)}, got {self.call_format!r}."
             )
         tags = {
             "code_start": self.code_start,
@@ -268,4 +300,4 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
     @property
     def resolved_system_prompt(self) -> str | None:
         """The system prompt text with the configured tags filled in, or `None`."""
-        return resolve_system_prompt(self.system_prompt, Tags.from_config(self))
+        return resolve_system_prompt(self.system_prompt, Tags.from_config(self), self.call_format)

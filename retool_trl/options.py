@@ -20,6 +20,14 @@ SANDBOX_BACKENDS = ("local", "remote")
 class ReToolOptions:
     """The fields [`~retool_trl.ReToolConfig`] adds to `GRPOConfig` (documented there), with defaults and help."""
 
+    call_format: str = field(
+        default="tags",
+        metadata={
+            "help": "How the model calls the interpreter: 'tags' (the tags below), 'tool_call' (its chat "
+            "template's tool calls) or 'markdown' (```python blocks, ```output fences).",
+            "choices": ["tags", "tool_call", "markdown"],
+        },
+    )
     code_start: str = field(
         default=Tags.code_start, metadata={"help": "Tag that opens a code block written by the model."}
     )
@@ -177,6 +185,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "interpreter_truncation",
         "interpreter_errors",
         "system_prompt",
+        "call_format",
         "code_start",
         "code_end",
         "interpreter_start",

@@ -24,6 +24,7 @@ import copy
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
+from .format.convert import MARKDOWN_TAGS, to_markdown, to_tool_messages
 from .format.parsing import Tags
 
 
@@ -131,6 +132,64 @@ def tokenize_trace(
     return {"input_ids": input_ids, "completion_mask": mask}
 
 
+def tokenize_tool_trace(
+    tokenizer, prompt: str | list[dict], completion: str, tags: Tags = Tags(), chat_template_kwargs: dict | None = None
+) -> dict[str, list[int]]:
+    """Tokenizes a ReTool-style trace as native tool calls (`call_format='tool_call'`), as the rollout builds them.
+
+    The trace becomes chat messages (`format.convert.to_tool_messages`); the ids are the chat template's, taken turn
+    by turn: each assistant turn up to its end-of-turn token is trained, the tool messages after it (to the next
+    assistant header) are not, exactly the ids the rollout samples and inserts. The template must be
+    prefix-preserving (each rendering extends the previous one).
+    """
+    from .format.tool_calls import TOOLS
+
+    kwargs = dict(chat_template_kwargs or {})
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    turns = to_tool_messages(completion, tags)
+
+    def render(conversation, generation_prompt):
+        return list(
+            tokenizer.apply_chat_template(
+                conversation,
+                tools=TOOLS,
+                add_generation_prompt=generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **kwargs,
+            )
+        )
+
+    input_ids = render(messages, True)
+    mask = [0] * len(input_ids)
+    for k, message in enumerate(turns):
+        if message["role"] != "assistant":
+            continue
+        conversation = messages + turns[: k + 1]
+        with_turn = render(conversation, False)
+        ends = [i for i, t in enumerate(with_turn) if t == tokenizer.eos_token_id and i >= len(input_ids)]
+        if with_turn[: len(input_ids)] != input_ids or not ends:
+            raise ValueError(
+                "the chat template does not render the trace's turns as prefixes of one another (it is not "
+                "prefix-preserving): use TRL's training template (trl.chat_template_utils.get_training_chat_template)."
+            )
+        mask += [1] * (ends[0] + 1 - len(input_ids))
+        input_ids = with_turn[: ends[0] + 1]
+        following = k + 1
+        while following < len(turns) and turns[following]["role"] == "tool":
+            following += 1
+        if following > k + 1:  # the tool messages, up to the next assistant header: the environment's ids
+            with_tools = render(messages + turns[:following], True)
+            if with_tools[: len(input_ids)] != input_ids:
+                raise ValueError(
+                    "the chat template is not prefix-preserving: use TRL's training template "
+                    "(trl.chat_template_utils.get_training_chat_template)."
+                )
+            mask += [0] * (len(with_tools) - len(input_ids))
+            input_ids = with_tools
+    return {"input_ids": input_ids, "completion_mask": mask}
+
+
 def _trace_of(example: dict) -> tuple[str | list[dict], str]:
     """(prompt, completion) of a dataset row in any supported format."""
     if "messages" in example and example["messages"] is not None:
@@ -154,6 +213,7 @@ def build_sft_dataset(
     tags: Tags | None = None,
     add_eos: bool = True,
     num_proc: int | None = None,
+    call_format: str = "tags",
 ) -> Dataset:
     """Tokenizes a dataset of traces into `input_ids` + `completion_mask` (see [`tokenize_trace`]).
 
@@ -165,6 +225,8 @@ def build_sft_dataset(
         tags (`Tags` or any object with the four tag fields, e.g. `ReToolConfig`): Defaults to the paper's tags.
         add_eos (`bool`): See [`tokenize_trace`].
         num_proc (`int`, *optional*): Processes for `Dataset.map`.
+        call_format (`str`): The call format to train: `tags` (the traces as they are), `markdown` or `tool_call`
+            (ReTool-style traces converted, see `retool_trl.format.convert`).
 
     Returns:
         `Dataset` with columns `input_ids` and `completion_mask` only.
@@ -173,6 +235,12 @@ def build_sft_dataset(
 
     def _tokenize(example):
         prompt, completion = _trace_of(example)
+        if call_format == "tool_call":
+            return tokenize_tool_trace(tokenizer, prompt, completion, tags)
+        if call_format == "markdown":
+            return tokenize_trace(
+                tokenizer, prompt, to_markdown(completion, tags), tags=MARKDOWN_TAGS, add_eos=add_eos
+            )
         return tokenize_trace(tokenizer, prompt, completion, tags=tags, add_eos=add_eos)
 
     return dataset.map(_tokenize, remove_columns=dataset.column_names, num_proc=num_proc, desc="Tokenizing traces")
@@ -185,6 +253,7 @@ def build_sft_trainer(
     args: SFTConfig | None = None,
     tags: Tags | None = None,
     eval_dataset: Dataset | None = None,
+    call_format: str = "tags",
     **trainer_kwargs,
 ) -> SFTTrainer:
     """An `SFTTrainer` whose loss ignores prompt and interpreter tokens.
@@ -198,6 +267,7 @@ def build_sft_trainer(
             makes TRL apply `completion_mask`.
         tags (`Tags`, *optional*): Tags used to find interpreter blocks.
         eval_dataset (`Dataset`, *optional*): Like `train_dataset`.
+        call_format (`str`): The call format to train (see [`build_sft_dataset`]).
         trainer_kwargs: Passed to `SFTTrainer` (callbacks, peft_config, ...).
     """
     args = SFTConfig(output_dir="retool-sft") if args is None else args
@@ -213,7 +283,9 @@ def build_sft_trainer(
     def _prepare(dataset):
         if dataset is None or "input_ids" in dataset.column_names:
             return dataset
-        return build_sft_dataset(dataset, tokenizer, tags=tags, num_proc=args.dataset_num_proc)
+        return build_sft_dataset(
+            dataset, tokenizer, tags=tags, num_proc=args.dataset_num_proc, call_format=call_format
+        )
 
     return SFTTrainer(
         model=model,

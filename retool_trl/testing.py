@@ -28,12 +28,14 @@ class ScriptedBackend:
     """A generation backend that "writes" fixed texts, one per sequence, as a real model would emit tokens.
 
     Each script is tokenized once as a whole (never per turn), then emitted token by token: a turn stops after the
-    token that completes the code-end tag (if requested), at the budget, or with EOS after the script's last token.
+    token that completes the code-end tag (if requested), at the budget, or with EOS after the script's last token;
+    with `code_end=None` (`call_format='tool_call'`), also after an EOS token written in the script (an assistant
+    turn that ends with its tool calls).
     `scripts[i]` belongs to the i-th sequence of the first call; later calls (a subset of the sequences, extended by
     interpreter tokens) are matched to their script by the sequence each one had at the end of its previous turn.
     """
 
-    def __init__(self, tokenizer, scripts: Sequence[str], code_end: str = "</code>", step_seconds: float = 0.0):
+    def __init__(self, tokenizer, scripts: Sequence[str], code_end: str | None = "</code>", step_seconds: float = 0.0):
         self.tokenizer = tokenizer
         self.code_end = code_end
         self.step_seconds = step_seconds
@@ -70,7 +72,9 @@ class ScriptedBackend:
                     break
                 emitted.append(ids[self.cursor[j]])
                 self.cursor[j] += 1
-                if stop and self.code_end in self.tokenizer.decode(emitted):
+                if emitted[-1] == self.tokenizer.eos_token_id and self.code_end is None:
+                    break  # a turn the script ends itself (`tool_call`: the end of an assistant turn)
+                if stop and self.code_end and self.code_end in self.tokenizer.decode(emitted):
                     break
             if self.step_seconds:
                 time.sleep(self.step_seconds * len(emitted))

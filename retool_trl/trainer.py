@@ -6,13 +6,16 @@ seam over overriding `_generate` because TRL's `_generate` then still does every
 length/clipping metrics counted on model tokens only, vLLM weight sync, passing our per-sample facts to reward
 functions), so nothing of it is copied here. Everything after the rollout (reference model, KL, clipping, loss types,
 PEFT, importance sampling, logging) is TRL's and multiplies by `tool_mask`, so interpreter tokens never reach the loss.
+Where a step's time goes is timed around TRL's own methods, which are called unchanged (`training.stage_timings`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
+import time
 import warnings
 
 import torch
@@ -22,7 +25,9 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .errors import UserError
-from .format.parsing import Tags, with_system_prompt
+from .evaluation.inference import tokenize_prompts
+from .format.choice import call_format_from_config, call_stop, prose_format
+from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
 from .models.names import resolve_model
 from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
@@ -37,9 +42,12 @@ from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
+from .training.stage_timings import StageTimings
+
+logger = logging.getLogger(__name__)
 
 
-class ReToolTrainer(GRPOTrainer):
+class ReToolTrainer(StageTimings, GRPOTrainer):
     """GRPO with a Python interpreter in the loop (ReTool, arXiv 2504.11536).
 
     Takes the arguments of [`~trl.GRPOTrainer`]; `args` must be a [`ReToolConfig`]. With `reward_funcs=None` the
@@ -77,6 +85,8 @@ class ReToolTrainer(GRPOTrainer):
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         _check_chat_template(self.processing_class, datasets, model)
+        # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
+        self._call_format = call_format_from_config(args, self._tokenizer)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
@@ -96,7 +106,7 @@ class ReToolTrainer(GRPOTrainer):
             self._sandbox = sandbox_from_config(self.args)
         # A sandbox given by the user gets the config's cell limits too (a no-op when set already or not asked for).
         self._sandbox = with_cell_limits(self._sandbox, self.args)
-        return self._sandbox_health.watch(self._sandbox)
+        return self._sandbox_health.watch(self.timed_sandbox(self._sandbox))  # timed, then counted
 
     def close_sandbox(self) -> None:
         """Stops the sandbox workers this trainer started (a user-provided sandbox is left to its owner)."""
@@ -116,7 +126,9 @@ class ReToolTrainer(GRPOTrainer):
 
     def _generate_rollout(self, prompt_ids: list[list[int]]) -> RolloutResult:
         """Runs the interleaved rollout with vLLM (`use_vllm`) or transformers `generate`."""
-        spec = RolloutSpec.from_config(self.args, self.eos_token_ids, self._engine_max_model_len())
+        spec = RolloutSpec.from_config(
+            self.args, self.eos_token_ids, self._engine_max_model_len(), call_format=self._call_format
+        )
         if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
             if self.vllm_generation.mode == "server" and self.accelerator.num_processes > 1:
                 # As TRL's own server path (its `gather_object` of the prompts): no process sends a request before
@@ -127,7 +139,7 @@ class ReToolTrainer(GRPOTrainer):
             with profiling_context(self, "vLLM.async_rollout"):
                 return async_rollout(
                     prompt_ids,
-                    self._make_async_engine(),
+                    self.timed_engine(self._make_async_engine()),
                     self.sandbox,
                     self._tokenizer,
                     spec,
@@ -137,7 +149,7 @@ class ReToolTrainer(GRPOTrainer):
             backend = VLLMBackend(
                 self.vllm_generation,
                 self._tokenizer,
-                self.args.code_end,
+                call_stop(self.args),
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
                 max_model_len=spec.max_model_len,
@@ -160,29 +172,44 @@ class ReToolTrainer(GRPOTrainer):
         """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
         colocated engine's request-level API."""
         if self.vllm_generation.mode == "colocate":
-            return ColocateEngine(self.vllm_generation, self._tokenizer, self.args.code_end)
+            return ColocateEngine(self.vllm_generation, self._tokenizer, call_stop(self.args))
         return server_engine_from_config(
             self.args, self._tokenizer, self.vllm_generation, _server_url(self.args), self._engine_max_model_len()
         )
 
     def _engine_max_model_len(self) -> int | None:
         """The vLLM engine's context limit (prompt + completion tokens): the colocated engine's own, or the server's
-        (its `/v1/models` card); `None` without vLLM or when the server does not say."""
+        (its `/v1/models` card); `None` without vLLM or when the server's card does not say.
+
+        A server that fails to answer (an HTTP error, a timeout) is asked again, a few times now and at the next
+        rollout: a failed answer is never kept as "no limit", which would turn the context protection off for the
+        whole run (and the first full context would stop it with HTTP 400)."""
         if not self.use_vllm:
             return None
-        if getattr(self, "_max_model_len", 0) == 0:  # asked once
-            self._max_model_len = None
-            if self.vllm_generation.mode == "colocate":
-                with contextlib.suppress(AttributeError):
-                    self._max_model_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len
-                self._max_model_len = self._max_model_len or self.args.vllm_max_model_length
-            else:
-                import httpx
-
-                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                    reply = httpx.get(f"{_server_url(self.args)}/v1/models", timeout=30.0)
-                    self._max_model_len = reply.json()["data"][0].get("max_model_len")
-        return self._max_model_len
+        if getattr(self, "_max_model_len", 0) != 0:  # known (a card without the field is known as `None`)
+            return self._max_model_len
+        if self.vllm_generation.mode == "colocate":
+            limit = None
+            with contextlib.suppress(AttributeError):
+                limit = self.vllm_generation.llm.llm_engine.model_config.max_model_len
+            self._max_model_len = limit or self.args.vllm_max_model_length
+            return self._max_model_len
+        url, problem = f"{_server_url(self.args)}/v1/models", None
+        for attempt in range(3):
+            problem = _served_max_model_len(url)
+            if not isinstance(problem, str):
+                self._max_model_len = problem
+                if problem is None:
+                    logger.warning(
+                        "the vLLM server's model card (%s) has no max_model_len: turns are not fitted to its context",
+                        url,
+                    )
+                return problem
+            time.sleep(0.5 * 2**attempt)
+        logger.warning(
+            "could not read the vLLM server's context limit (%s): %s; asking again next rollout", url, problem
+        )
+        return None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
@@ -192,7 +219,7 @@ class ReToolTrainer(GRPOTrainer):
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
         return TransformersBackend(
-            unwrapped_model, self._tokenizer, self.generation_config, self.args.code_end, self.eos_token_ids
+            unwrapped_model, self._tokenizer, self.generation_config, call_stop(self.args), self.eos_token_ids
         )
 
     def _generate_and_score_completions(self, inputs):
@@ -223,9 +250,14 @@ class ReToolTrainer(GRPOTrainer):
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
         args = self.args
-        prompt_ids, _, _ = self._tokenize_prompts(self._with_system_prompt(prompts))
-        prompt_ids = [list(ids) for ids in prompt_ids]
+        prompts = self._with_system_prompt(prompts)
+        if self.args.call_format == "tool_call":  # the tool's schema in the prompt, as evaluation renders it
+            prompt_ids = tokenize_prompts(self.processing_class, prompts, self.args)
+        else:
+            prompt_ids, _, _ = self._tokenize_prompts(prompts)
+            prompt_ids = [list(ids) for ids in prompt_ids]
         mode = "train" if self.model.training else "eval"
+        self._sandbox_health.what = "training" if mode == "train" else "evaluation"  # what stops, in its message
         with self._sandbox_health.step(self.sandbox, args.max_tool_calls > 0, self.accelerator):
             if args.roc_oversample > 1 and mode == "train":
                 result = self._resample_on_correct(prompts, prompt_ids)
@@ -277,7 +309,7 @@ class ReToolTrainer(GRPOTrainer):
         if len(inputs) != len(prompts) or "answer" not in inputs[0]:
             raise ValueError("ReToolConfig.roc_oversample > 1 needs an `answer` column in the dataset.")
         result = self._generate_rollout([ids for ids in prompt_ids for _ in range(factor)])
-        tags = Tags.from_config(self.args)
+        tags = prose_format(self.args)
         keep = []
         for g in range(0, len(prompts), group):
             rows = range(g * factor, (g + group) * factor)
@@ -330,11 +362,27 @@ def _server_url(args) -> str:
     if args.vllm_server_base_url:
         return args.vllm_server_base_url
     host = args.vllm_server_host
-    if host in ("0.0.0.0", ""):
+    if host in ("0.0.0.0", "::", ""):
         # A server listening on every interface, where TRL's main process reaches it (its own host): the launcher's
         # MASTER_ADDR, so that processes on other nodes reach it too; this host when run without a launcher.
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if ":" in host and not host.startswith("["):  # an IPv6 address goes in brackets in a URL
+        host = f"[{host}]"
     return f"http://{host}:{args.vllm_server_port}"
+
+
+def _served_max_model_len(url: str) -> int | None | str:
+    """The `max_model_len` of the first model on a vLLM server's `/v1/models` (`url`), `None` when its card has
+    none, or the problem (a string) when the server did not answer with a card."""
+    import httpx
+
+    try:
+        reply = httpx.get(url, timeout=30.0)
+        reply.raise_for_status()
+        limit = reply.json()["data"][0].get("max_model_len")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return int(limit) if limit else None
 
 
 def _check_answer_column(reward_funcs, *datasets) -> None:

@@ -7,6 +7,7 @@ the state of the first. Limits and isolation stay on (bubblewrap when it works, 
     python scripts/bench_sandbox.py [--sessions 64] [--json]
     python scripts/bench_sandbox.py --scale [--scale-factor 1.0] [--json]   # a whole GRPO batch (sandbox_scale.py)
     python scripts/bench_sandbox.py --server [--server-runs 3] [--json]      # retool-trl sandbox-server, 127.0.0.1
+    python scripts/bench_sandbox.py --server-capacity [--sessions 64 256 1024] [--json]  # GRPO-shaped load
 
 Jails are pre-started while the model generates: the sandbox keeps `--spares` of them (default: one batch), and the
 run idles `--idle` seconds before each phase, as a trainer does while it loads and generates (not measured).
@@ -134,7 +135,14 @@ def bench_jail_startup(preload: tuple[str, ...], workers: int, runs: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=64, help="sessions per measurement (3 calls each)")
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sessions per measurement (3 calls each; default 64); with --server-capacity: the sizes of the load "
+        "(default: 64 256 1024)",
+    )
     parser.add_argument("--baseline-calls", type=int, default=60)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument(
@@ -169,9 +177,29 @@ def main() -> None:
     parser.add_argument("--server-calls", type=int, default=50, help="with --server: small cells per session")
     parser.add_argument("--server-sessions", type=int, default=5, help="with --server: 8-call sessions each way")
     parser.add_argument("--server-work", type=int, default=200_000, help="with --server: size of the session's cell")
+    parser.add_argument(
+        "--server-capacity",
+        action="store_true",
+        help="the server's capacity under a GRPO-shaped load beside a subprocess-per-call service (sandbox_capacity)",
+    )
+    parser.add_argument(
+        "--max-cell-ms", type=float, default=1000.0, help="with --server-capacity: the longest cell of the load"
+    )
     results_log.add_arguments(parser)
     args = parser.parse_args()
+    if args.sessions is not None and min(args.sessions) < 1:
+        parser.error(f"--sessions must be >= 1, got {min(args.sessions)}")
     run = results_log.conditions()
+    if args.server_capacity:
+        args.server_runs = args.server_runs if "--server-runs" in sys.argv else 1
+        from sandbox_capacity import run_capacity  # scripts/ is on sys.path when run as a script
+
+        row = run_capacity(args)
+        results_log.record("sandbox_capacity", row, run, enabled=not args.no_record)
+        if args.json:
+            print(json.dumps(row))
+        return
+    args.sessions = args.sessions[0] if args.sessions else 64
 
     workers = args.workers or os.cpu_count() or 1
     preload = {"default": DEFAULT_PRELOAD, "none": ()}.get(args.preload, tuple(filter(None, args.preload.split(","))))

@@ -38,10 +38,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(workers: int):
+def _server(workers: int, max_concurrency: int = 256, max_sessions: int | None = None):
     port = _free_port()
     cmd = [sys.executable, "-m", "retool_trl", "sandbox-server", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--workers", str(workers), "--max-concurrency", "256"], start_new_session=True)
+    cmd += ["--workers", str(workers), "--max-concurrency", str(max_concurrency)]
+    if max_sessions is not None:  # one client (this benchmark) holds them all
+        cmd += ["--max-sessions", str(max_sessions), "--max-sessions-per-client", str(max_sessions)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

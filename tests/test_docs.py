@@ -163,3 +163,46 @@ def test_readme_stays_a_users_page():
     for page in PAGES:
         for phrase in (r"\bissue \d+", r"\bthis round\b", r"haltpoll", r"Firecracker", r"\bthis VM\b"):
             assert not re.search(phrase, page.read_text(), flags=re.IGNORECASE), (page.name, phrase)
+
+
+# ------------------------------------------------------------------------------------------------ installing
+def test_the_torch_step_advice_quotes_what_pip_says_when_the_index_is_unreachable():
+    """A normal user whose machine cannot reach PyTorch's index: pip's only words are "No matching distribution
+    found" (tried here against an index on a closed port); the README's advice for that case must quote them, so that
+    the user recognises it, and must not suggest leaving the step out (pip would fetch the CUDA build)."""
+    import subprocess
+    import sys
+
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("pip is not installed in this environment")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--no-deps"]
+        + ["--index-url", "http://127.0.0.1:9/simple", "--retries", "0", "--timeout", "2", "filelock"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = re.search(r"ERROR: (No matching distribution found) for filelock", done.stderr)
+    assert done.returncode != 0 and said, done.stderr[-2000:]
+    text = " ".join(README.read_text().split())
+    advice = text[text.index("The CPU build comes first") :][:900]
+    assert f"`{said.group(1)} for ...`" in advice and "download.pytorch.org" in advice, advice
+    assert "do not leave the step out" in advice and "mirror" in advice
+
+
+def test_install_commands_install_from_a_clone():
+    """The package is installed from a clone of this repository (it is not published on a package index): a page
+    that says `pip install "retool-trl[server]"` sends the user to a package pip cannot find. Every `pip install`
+    shown that names the package installs a path (`-e ".[server]"`, `/src[server]`), with extras pyproject declares."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    for page in PAGES:
+        for line in shown_commands(page.read_text()):
+            for words in re.findall(r"pip install ([^&|;]+)", line):
+                for target in shlex.split(words):
+                    name = target.split("[")[0]
+                    assert name != project["name"], f"{page.name}: {line}"
+                    if "[" in target and name.startswith((".", "/")):
+                        assert set(target.split("[")[1].rstrip("]").split(",")) <= extras, f"{page.name}: {line}"

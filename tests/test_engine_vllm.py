@@ -24,6 +24,7 @@ from retool_trl.quickstart import model_path  # noqa: E402
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend  # noqa: E402
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend  # noqa: E402
+from retool_trl.rollout.engines.vllm_server import CompletionsEngine  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 
 
@@ -138,6 +139,11 @@ def test_colocate_trainer_trains_through_vllm(colocate_trainer):
     # still match the trainer's, up to the CPU kernels' rounding (the perturbation test below isolates the sync).
     assert logs[1]["sampling/sampling_logp_difference/mean"] < 0.05
     assert colocate_trainer.state.global_step == 2
+    # The weight sync to the real engine is a stage of its own, out of generation, and the shares still add up.
+    assert logs[1]["retool/time/weight_sync"] > 0 and logs[1]["retool/time/generation"] > 0
+    stages = ("generation", "interpreter", "weight_sync", "rewards", "logprobs", "update", "other")
+    for entry in logs:
+        assert sum(entry[f"retool/time/{stage}_share"] for stage in stages) == pytest.approx(1.0, abs=0.05)
 
 
 def test_colocate_weight_sync_reaches_the_engine(colocate_trainer, tokenizer):
@@ -410,44 +416,160 @@ def test_colocate_async_trains_with_lora(tmp_path, tokenizer, sandbox):
 
 
 # ------------------------------------------------------------------------------- a server with a small context
-def test_rows_of_different_context_fit_a_server_with_a_small_max_model_len(tokenizer, sandbox, tmp_path):
+SMALL_CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def small_context_server():
+    server = VLLMServer(model_path(), max_model_len=SMALL_CONTEXT)
+    yield server
+    server.stop()
+
+
+def test_rows_of_different_context_fit_a_server_with_a_small_max_model_len(
+    small_context_server, tokenizer, sandbox, tmp_path
+):
     """A server started with `--max_model_len 128` (TRL's advice: close to prompt + completion) and
     `max_completion_length` 64; one row's prompt leaves it 6 tokens of context, the others plenty. vLLM refuses a
     request whose one `max_tokens` does not fit every prompt (before: HTTP 400, the run stopped, in both loops). Now,
     through TRL's `_generate` in both loops, every row gets the budget that fits it: the long row is cut at the
     context limit and ends truncated (no EOS), the short rows finish as they would alone."""
-    limit, room = 128, 6
-    server = VLLMServer(model_path(), max_model_len=limit)
+    limit, room = SMALL_CONTEXT, 6
+    server = small_context_server
+    args = engine_config(
+        tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url, max_completion_length=64
+    )
+    original = VLLMClient.init_communicator
+    VLLMClient.init_communicator = lambda self, device=None: None  # NCCL needs CUDA; no weight sync here
     try:
-        args = engine_config(
-            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url, max_completion_length=64
+        trainer = ReToolTrainer(
+            model_path(),
+            args=args,
+            train_dataset=quickstart_dataset(16),
+            processing_class=tokenizer,
+            sandbox=sandbox,
         )
-        original = VLLMClient.init_communicator
-        VLLMClient.init_communicator = lambda self, device=None: None  # NCCL needs CUDA; no weight sync here
-        try:
-            trainer = ReToolTrainer(
-                model_path(),
-                args=args,
-                train_dataset=quickstart_dataset(16),
-                processing_class=tokenizer,
-                sandbox=sandbox,
-            )
-        finally:
-            VLLMClient.init_communicator = original
-        trainer.vllm_generation.temperature = 0.0
-        trainer._last_loaded_step = trainer.state.global_step
-        trainer.model.train()
-        texts = list(quickstart_dataset(4, seed=3)["prompt"])
-        short = len(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
-        assert short + 64 <= limit  # the short rows fit with their whole budget
-        filler = limit - room - len(tokenizer(texts[3], add_special_tokens=False)["input_ids"])
-        texts[3] = " " * filler + texts[3]
-        for mode in ("barrier", "async"):
-            trainer.args.rollout_mode = mode
-            prompt_ids, completion_ids, *_ = trainer._generate(texts)
-            assert len(prompt_ids[3]) == limit - room, mode
-            assert len(completion_ids[3]) == room and completion_ids[3][-1] != tokenizer.eos_token_id, mode
-            for prompt, completion in zip(prompt_ids[:3], completion_ids[:3], strict=True):
-                assert len(prompt) + len(completion) <= limit and completion[-1] == tokenizer.eos_token_id, mode
     finally:
-        server.stop()
+        VLLMClient.init_communicator = original
+    trainer.vllm_generation.temperature = 0.0
+    trainer._last_loaded_step = trainer.state.global_step
+    trainer.model.train()
+    texts = list(quickstart_dataset(4, seed=3)["prompt"])
+    short = len(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+    assert short + 64 <= limit  # the short rows fit with their whole budget
+    filler = limit - room - len(tokenizer(texts[3], add_special_tokens=False)["input_ids"])
+    texts[3] = " " * filler + texts[3]
+    for mode in ("barrier", "async"):
+        trainer.args.rollout_mode = mode
+        prompt_ids, completion_ids, *_ = trainer._generate(texts)
+        assert len(prompt_ids[3]) == limit - room, mode
+        assert len(completion_ids[3]) == room and completion_ids[3][-1] != tokenizer.eos_token_id, mode
+        for prompt, completion in zip(prompt_ids[:3], completion_ids[:3], strict=True):
+            assert len(prompt) + len(completion) <= limit and completion[-1] == tokenizer.eos_token_id, mode
+
+
+class PaddedOutputs:
+    """A sandbox whose outputs end with 0-8 spaces, by the code's hash: after its first turn every row has a context
+    of its own length, as completions of different lengths have in a real GRPO batch."""
+
+    def __init__(self):
+        from retool_trl.testing import FakeSandbox
+
+        self.inner = FakeSandbox()
+
+    def session(self):
+        return self.inner.session()
+
+    def run_many(self, pairs):
+        import zlib
+
+        from retool_trl.sandbox import ExecResult
+
+        pairs = list(pairs)
+        results = self.inner.run_many(pairs)
+        return [
+            ExecResult(r.output.rstrip("\n") + " " * (zlib.crc32(code.encode()) % 9) + "\n", r.ok, False, 0.0)
+            for (_, code), r in zip(pairs, results, strict=True)
+        ]
+
+    def close(self):
+        pass
+
+
+def test_barrier_turns_on_a_server_sized_as_trl_advises_need_few_concurrent_requests(
+    small_context_server, tokenizer, sandbox, monkeypatch, tmp_path
+):
+    """A real vLLM server started with `--max_model_len` sized as TRL advises (longest prompt + completion: 128),
+    16 rows of problems of different prompt lengths that call code (the quickstart model), through TRL's server-mode
+    helper in the barrier loop. After the first turn every row has its own context. Before, a turn sent one request
+    per distinct `limit - length` (about one per row), one after the other; now the rows go as the async engine
+    sends them, in fewer requests (counted per turn against the old rule), sent at once; every request fits, and
+    the completions are the async loop's (greedy)."""
+    import threading
+    import time
+
+    from retool_trl.rollout.per_completion import async_rollout
+    from retool_trl.rollout.turns import fitting_parts
+
+    server, limit, padded = small_context_server, SMALL_CONTEXT, PaddedOutputs()
+    texts = list(quickstart_dataset(16, seed=5)["prompt"])
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    completion = limit - max(len(p) for p in prompts)
+    assert len({len(p) for p in prompts}) > 1
+    spec = RolloutSpec(
+        max_completion_length=completion, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2, max_model_len=limit
+    )
+    args = engine_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.base_url,
+        max_completion_length=completion,
+    )
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=None: None)
+    trainer = ReToolTrainer(
+        model_path(), args=args, train_dataset=quickstart_dataset(16), processing_class=tokenizer, sandbox=sandbox
+    )
+    helper = trainer.vllm_generation
+    helper.temperature = 0.0
+    turn, turns, sent, lock = [0], [], [], threading.Lock()
+    post, generate_turn = VLLMClient._post, VLLMBackend.generate_turn
+
+    def recording_post(self, url, **kwargs):
+        started = time.monotonic()
+        reply = post(self, url, **kwargs)
+        with lock:
+            sent.append((turn[0], started, time.monotonic(), kwargs["json"]))
+        return reply
+
+    def counting_turn(self, sequences, max_new_tokens, stop_at_code_end):
+        turn[0] += 1
+        turns.append(([len(s) for s in sequences], list(max_new_tokens), [bool(s) for s in stop_at_code_end]))
+        return generate_turn(self, sequences, max_new_tokens, stop_at_code_end)
+
+    monkeypatch.setattr(VLLMClient, "_post", recording_post)
+    monkeypatch.setattr(VLLMBackend, "generate_turn", counting_turn)
+    backend = VLLMBackend(helper, tokenizer, "</code>", max_model_len=limit)
+    barrier = interleaved_rollout(prompts, backend, padded, tokenizer, spec)
+    engine = CompletionsEngine(server.base_url, tokenizer, "</code>", sampling={"temperature": 0.0})
+    ours = async_rollout(prompts, engine, padded, tokenizer, spec, max_concurrency=16)
+    assert_same_rollout(ours, barrier, snippet_timeout=False)
+    assert len(turns) >= 2
+    fewer = False
+    for k, (lengths, budgets, stops) in enumerate(turns, start=1):
+        requests = [(start, end, body) for t, start, end, body in sent if t == k]
+        for _, _, body in requests:
+            assert all(len(p) + body["max_tokens"] <= limit for p in body["prompt"])
+        expected = old = 0
+        for stop in (True, False):  # rows that may call code and rows that may not go in separate requests
+            rows = [i for i, s in enumerate(stops) if s == stop]
+            if rows:
+                expected += len(fitting_parts([lengths[i] for i in rows], [budgets[i] for i in rows], limit))
+                # The old rule: one request per distinct budget the context leaves beside the group's largest.
+                largest = max(budgets[i] for i in rows)
+                old += len({min(largest, limit - lengths[i]) for i in rows})
+        assert len(requests) == expected <= old, (k, len(requests), old)
+        fewer |= len(requests) < old
+        if len(requests) > 1:  # sent at once: every request started before the first one ended
+            assert max(start for start, _, _ in requests) < min(end for _, end, _ in requests), k
+    assert fewer

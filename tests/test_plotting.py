@@ -133,3 +133,41 @@ def test_step_axes_start_at_step_zero_and_the_band_is_named(quickstart_dir, figu
     labels = [text.get_text() for text in reward.get_legend().get_texts()] if reward.get_legend() else []
     labels += [c.get_label() for c in reward.collections]
     assert any("std of the step's rewards" in label for label in labels), labels
+
+
+def _line_colors(fig) -> dict[str, str]:
+    """Each labelled line of a figure: its label -> its color, as matplotlib resolved it."""
+    from matplotlib.colors import to_hex
+
+    return {
+        line.get_label(): to_hex(line.get_color())
+        for ax in fig.axes
+        for line in ax.get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+def test_a_single_run_keeps_its_color_and_says_what_it_was(quickstart_dir, figures):
+    """A user plots the quickstart's folder (both runs), then `--run runs/quickstart/tool_rl` alone: the single-run
+    figure drew "with code" in orange, the color of text_rl in the combined one, and its title was just `tool_rl`.
+    Now no series of one run takes the other run's color, and the title says what the run was."""
+    for name in ("tool_rl", "text_rl"):
+        log = history(30, name == "tool_rl")
+        for entry in log:  # accuracy with and without code: the panel with three series
+            entry.update({"retool/accuracy_with_code": entry["retool/accuracy"], "retool/accuracy_without_code": 0.1})
+            entry["retool/accuracy_without_code"] += 0.01 * (entry["step"] % 3)
+        (quickstart_dir / name / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+    assert main(["plot", "--run", str(quickstart_dir)]) == 0
+    combined = _line_colors(figures[-1])
+    text_rl = {color for label, color in combined.items() if label.startswith("text_rl")}
+    tool_rl = {color for label, color in combined.items() if label.startswith("tool_rl")}
+    assert len(text_rl) == 1 and len(tool_rl) == 1 and text_rl != tool_rl, combined
+    for run, own in (("tool_rl", tool_rl), ("text_rl", text_rl)):
+        assert main(["plot", "--run", str(quickstart_dir / run)]) == 0
+        fig = figures[-1]
+        alone = _line_colors(fig)
+        other = text_rl if run == "tool_rl" else tool_rl
+        assert not other & set(alone.values()), (run, alone)
+        assert own <= set(alone.values()), (run, alone)  # the run's main series keep its color
+        title = fig._suptitle.get_text()
+        assert "GRPO with" in title and "seed 7" in title and "quickstart_model" in title, title

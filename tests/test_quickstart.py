@@ -123,6 +123,9 @@ def test_quickstart_run_folder(tmp_path, capsys):
     assert written["text_rl"]["code_ratio_before"] == written["text_rl"]["code_ratio_after"] == 0
     assert written["wall_s"] > 0
     assert (out / "quickstart.png").stat().st_size > 10_000
+    # The isolation the quickstart's code ran under is recorded with its results (and said once at its start).
+    isolation = json.loads((out / "isolation.json").read_text())
+    assert isolation["summary"].startswith(f"isolation level {isolation['isolation']}: holds:")
     # The console shows the progress bar with a few numbers, not TRL's ~40-key log dicts.
     captured = capsys.readouterr()
     assert "'completions/mean_length'" not in captured.out + captured.err

@@ -171,7 +171,7 @@ def test_failed_forks_leave_no_descriptors_or_cgroups(report):
     descriptors than before and no cgroup directory of a jail that never ran is left, and once tasks are free again
     64 sessions all work (before, each refused fork kept 7 descriptors and its cgroups, and later sessions failed)."""
     if not report["pids_cgroup"]:
-        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+        pytest.skip(f"needs a pids cgroup (isolation level here: {report['isolation']})")
     own = _need_root_pids()
     result = _run_trainer(
         f"""
@@ -247,7 +247,7 @@ def test_sessions_together_cannot_exhaust_a_container_task_limit(report):
     more than the container allows. Sessions opened meanwhile by innocents still start and answer (not
     infrastructure errors), and the trainer can still start threads and `reserve()` jails."""
     if not report["pids_cgroup"]:
-        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+        pytest.skip(f"needs a pids cgroup (isolation level here: {report['isolation']})")
     result = _run_trainer(
         f"""
         import json, threading, time
@@ -308,7 +308,7 @@ def test_files_parked_in_tmpfs_count_against_their_own_session(report):
     its own memory failure, not the innocent, whose kill would read as an infrastructure error and take its
     completion out of the loss (and whose writes must not fail for lack of memory)."""
     if not (report["memory_cgroup"] and report["jail_per_session"]):
-        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (isolation in force here: {report})")
+        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (level here: {report['isolation']})")
     with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=300, total_memory_mb=700, spares=1) as sandbox:
         hogs = [sandbox.session() for _ in range(3)]
         parked = sandbox.run_many([(s, PARK_FILES) for s in hogs])
@@ -335,7 +335,7 @@ def test_ranks_on_one_node_share_the_task_budget(report):
     together their sessions may start no more tasks than one sandbox alone would, so that the 4 of them cannot
     exhaust the container's task limit either."""
     if not report["pids_cgroup"]:
-        pytest.skip(f"needs a pids cgroup (isolation in force here: {report})")
+        pytest.skip(f"needs a pids cgroup (isolation level here: {report['isolation']})")
     script = """
         import json
         from pathlib import Path
@@ -364,7 +364,7 @@ def test_a_session_filling_its_own_tmpfs_past_its_memory_bound_fails_alone(repor
     which is what a session cgroup that inherited the sandbox's disabled OOM killer would give), and a neighbour's
     next call runs."""
     if not (report["memory_cgroup"] and report["jail_per_session"]):
-        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (isolation in force here: {report})")
+        pytest.skip(f"needs a memory cgroup and a private /dev/shm per session (level here: {report['isolation']})")
     code = PARK_FILES.replace("range(12)", "range(20)")
     with LocalSandbox(num_workers=2, timeout_s=30, memory_mb=200, spares=1) as sandbox:
         hog, neighbour = sandbox.session(), sandbox.session()

@@ -60,7 +60,7 @@ def _require(report, key, why, landlock_abi=None):
     if landlock_abi is not None and report.get("landlock") and report.get("landlock_abi", 0) >= landlock_abi:
         return
     if not report[key]:
-        pytest.skip(f"{why} needs {key} (isolation in force here: {report})")
+        pytest.skip(f"{why} needs {key} (isolation level here: {report['isolation']})")
 
 
 def _last_line(result):

@@ -30,24 +30,13 @@ AS_USER = ROOT / "scripts" / "as_normal_user.py"
 USER = 65534
 
 
-def _interpreter_home() -> str | None:
-    """The directory under /root that holds the interpreter (a pyenv or uv install), if it is there."""
-    real = Path(os.path.realpath(sys.executable))
-    root = Path("/root")
-    if root not in real.parents:
-        return None
-    return str(root / real.relative_to(root).parts[0])
-
-
 def run_as_user(block_userns: bool, *args: str) -> dict:
     if os.geteuid() != 0:
         pytest.skip("needs root to set up a normal user's session (private mount and user namespaces)")
     for tool in ("setpriv", "mount", "sh"):
         if shutil.which(tool) is None:
             pytest.skip(f"needs {tool}")
-    if not all(os.stat(p).st_mode & 0o005 for p in (ROOT, *ROOT.parents) if str(p) != "/"):
-        pytest.skip("the checkout is not readable by other users")
-    keep = _interpreter_home() or "-"
+    keep = f"{os.path.realpath(sys.executable)}:{ROOT}"  # as_normal_user.py lets the user reach both
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8"}
     command = [sys.executable, str(AS_USER), str(USER), "1" if block_userns else "0", keep]
     command += [sys.executable, str(PROBE), *args]
@@ -125,6 +114,15 @@ def test_the_report_names_what_the_landlock_level_cannot_give(user_without_usern
         assert words in missing
 
 
+def test_a_normal_users_report_speaks_of_a_normal_user(user_without_userns):
+    """A normal user's report said "sessions then run as uid 0" (true of a container's root only); its flags and its
+    summary say what holds for this user: cells cannot open IP sockets, so the network is out of their reach."""
+    report = user_without_userns["report"]
+    assert "uid 0" not in " ".join(report["missing"]) and "normal user" in " ".join(report["missing"])
+    assert report["network_isolated"] and "no network" in report["summary"].split("does not hold")[0]
+    assert report["summary"].startswith("isolation level landlock: holds:")
+
+
 def _vsock_available() -> bool:
     try:
         socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
@@ -165,3 +163,34 @@ def test_root_refusal_names_the_missing_kernel_feature_and_the_fix(monkeypatch):
     message = str(info.value)
     assert "Landlock" in message and "namespace" in message and "Fix:" in message
     assert "\n" not in message
+
+
+def test_a_normal_user_reaches_a_checkout_in_a_folder_others_cannot_enter():
+    """CI run from a clone in a folder other users cannot enter (a `mktemp -d` folder, mode 700): the normal-user
+    stage ended with `Permission denied` on the interpreter, after the other stages passed. The user now gets through
+    that folder (o+x, not listed) while the command runs; its mode is restored after."""
+    import stat
+    import tempfile
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("mount") is None:
+        pytest.skip("needs root, setpriv and mount to set up a normal user's session")
+    closed = Path(tempfile.mkdtemp())  # mode 700, as `mktemp -d` makes it
+    try:
+        clone = closed / "clone"
+        (clone / "pkg").mkdir(parents=True)
+        (clone / "pkg" / "__init__.py").write_text("import os\nprint('imported as uid', os.getuid())\n")
+        needed = f"{os.path.realpath(sys.executable)}:{clone}"
+        done = subprocess.run(
+            [sys.executable, str(AS_USER), str(USER), "0", needed, sys.executable, "-c", "import pkg"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(clone)},
+            cwd="/",
+        )
+        if done.returncode == 90:
+            pytest.skip("cannot make the mount namespace that sets up a normal user here")
+        assert done.returncode == 0 and f"imported as uid {USER}" in done.stdout, done.stderr[-2000:]
+        assert stat.S_IMODE(closed.stat().st_mode) == 0o700  # restored
+    finally:
+        shutil.rmtree(closed)

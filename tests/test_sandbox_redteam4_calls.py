@@ -283,6 +283,8 @@ def test_cells_computing_in_bursts_are_not_all_admitted_at_once():
     with LocalSandbox(num_workers=2, timeout_s=60.0, preload=()) as sb:
         sessions = [sb.session() for _ in range(24)]
         assert all(r.ok for r in sb.run_many([(s, "pass") for s in sessions]))
+        if sessions[0]._proc.cpu_seconds() is None:  # a default container: its cgroups are read-only
+            pytest.skip("needs a cgroup per jail to count its children's CPU (none is writable here)")
         results = sb.run_many([(s, _BURSTS) for s in sessions])
         assert all(r.ok for r in results), [r.output for r in results if not r.ok][:1]
         spans = [tuple(map(float, r.output.split())) for r in results]

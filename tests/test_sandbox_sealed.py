@@ -22,7 +22,7 @@ def sandbox():
     with LocalSandbox(num_workers=2, timeout_s=5.0, memory_mb=512, max_output_chars=1000, preload=()) as sb:
         report = sb.isolation_report()
         if not report["jail_per_session"] or report["isolation"] != "bwrap":
-            pytest.skip(f"needs bubblewrap and per-session jails; missing here: {report['missing']}")
+            pytest.skip(f"needs bubblewrap and per-session jails (isolation level here: {report['isolation']})")
         yield sb
 
 

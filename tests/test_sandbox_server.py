@@ -153,11 +153,20 @@ def test_many_concurrent_sessions_keep_their_own_state(server):
             s.close()
 
 
-def test_limits_are_clamped_by_the_server(server):
-    """A trainer asking for more time than the server allows gets the server's maximum, and is told which."""
-    reply = httpx.post(f"{server.url}/sessions", json={"timeout_s": 1000, "memory_mb": 512}).json()
-    assert reply["limits"]["timeout_s"] == 20.0 and reply["limits"]["memory_mb"] == 512
-    assert httpx.delete(f"{server.url}/sessions/{reply['session_id']}").json() == {"closed": True}
+def test_limits_above_the_servers_are_refused_and_run_code_is_capped(server):
+    """A trainer asking for more time than the server allows is told so (400 naming the field and its range; its
+    `RemoteSandbox` raises one clear error), never served other limits than it asked; a SandboxFusion caller's
+    `run_timeout` is capped as SandboxFusion does."""
+    reply = httpx.post(f"{server.url}/sessions", json={"timeout_s": 1000, "memory_mb": 512})
+    assert reply.status_code == 400 and "timeout_s must be in (0, 20]" in reply.json()["detail"]
+    ok = httpx.post(f"{server.url}/sessions", json={"timeout_s": 20, "memory_mb": 512}).json()
+    assert ok["limits"]["timeout_s"] == 20.0 and ok["limits"]["memory_mb"] == 512
+    assert httpx.delete(f"{server.url}/sessions/{ok['session_id']}").json() == {"closed": True}
+    with RemoteSandbox(server.url, timeout_s=1000, retries=0) as sb:
+        with pytest.raises(RuntimeError, match="timeout_s"):
+            sb.session().run("1")
+    capped = {"code": "print(1)", "language": "python", "run_timeout": 1000}
+    assert httpx.post(f"{server.url}/run_code", json=capped, timeout=60).json()["run_result"]["stdout"] == "1\n"
 
 
 def test_a_client_that_leaves_mid_call_costs_nothing(server):

@@ -1,6 +1,7 @@
 """Pins the TRL internals ReToolTrainer relies on, so a TRL upgrade that changes them fails here, loudly."""
 
 import inspect
+import re
 
 import trl
 from datasets import Dataset
@@ -76,6 +77,15 @@ def test_private_members_used_by_the_trainer_exist():
     for attribute in ("self.generation_config", "self.generation_kwargs", "self.eos_token_ids", "self._dist"):
         assert attribute in source, attribute
     assert "summon_full_params" in inspect.getsource(GRPOTrainer._generate_single_turn)
+    # The tool-call format inserts what TRL's own tool loop inserts for a tool message, through this helper, called
+    # on a stand-in that carries only the attributes read here (a TRL that reads more breaks the format loudly).
+    assert list(inspect.signature(GRPOTrainer._get_tool_suffix_ids).parameters) == ["self", "tool_messages"]
+    suffix_source = inspect.getsource(GRPOTrainer._get_tool_suffix_ids)
+    read = set(re.findall(r"self\.(\w+)", suffix_source))
+    assert read <= {"processing_class", "_tokenizer", "_is_vlm", "chat_template", "chat_template_kwargs"}, read
+    # The stage timings wrap these methods of TRL's and call them unchanged.
+    for name in ("training_step", "_prepare_inputs", "_get_per_token_logps_and_entropies"):
+        assert callable(getattr(GRPOTrainer, name)), name
 
 
 def test_vllm_generation_state_the_backends_read():

@@ -166,8 +166,9 @@ def test_padding_rows_make_the_server_decode_nothing(monkeypatch):
     accelerator = types.SimpleNamespace(
         num_processes=2, process_index=0, is_main_process=True, device=torch.device("cpu")
     )
-    # The other process: 3 rows that may call code, budget 50 (the plan this process receives from the gather).
-    accelerator.gather = lambda local: torch.cat([local, torch.tensor([3, 50, 0, 0])])
+    # The other process: 3 rows that may call code, budget 50 (the plan this process receives from the gather, then
+    # each row's own budget: 3 slots that may call code, none that may not).
+    accelerator.gather = lambda local: torch.cat([local, torch.tensor([3, 50, 0, 0] if len(local) == 4 else [50] * 3)])
     helper = trl_server_generation(accelerator, CountingClient())  # TRL's own server-mode `generate`
     backend = VLLMBackend(helper, TOKENIZER, "</code>", accelerator=accelerator)
     [out] = backend.generate_turn([ids_of("Q:")], [40], [True])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from testing_utils import reply_json
@@ -32,6 +33,8 @@ class VLLMLikeServer:
         self.nan_logprob_at = nan_logprob_at
         self.bodies, self.refused, self.lock, self.running = [], [], threading.Lock(), 0
         self.finish_reason = None  # forces every choice's finish_reason (e.g. "abort")
+        self.abort_prompts = []  # the choices of sequences starting with one of these prompts are aborted
+        self.delay_s, self.peak = 0.0, 0  # time each completions request takes; most requests generating at once
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -80,7 +83,9 @@ class VLLMLikeServer:
                 return
         with self.lock:
             self.running += 1
+            self.peak = max(self.peak, self.running)
         try:
+            time.sleep(self.delay_s)
             outputs = [self.turn(p, body) for p in prompts]
         finally:
             with self.lock:
@@ -101,7 +106,7 @@ class VLLMLikeServer:
                     "prompt_token_ids": prompt,
                     "token_ids": ids,
                     "logprobs": logprobs,
-                    "finish_reason": self.finish_reason or reason,
+                    "finish_reason": self.finish_reason or self.reason(prompt, reason),
                 }
             )
         if not body.get("stream"):
@@ -113,6 +118,10 @@ class VLLMLikeServer:
         for choice in choices:
             handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         handler.wfile.write(b"data: [DONE]\n\n")
+
+    def reason(self, prompt, reason):
+        aborted = any(list(prompt[: len(p)]) == list(p) for p in self.abort_prompts)
+        return "abort" if aborted else reason
 
     def turn(self, sequence, body):
         """The script's next tokens for `sequence`, and the finish reason, as vLLM stops."""

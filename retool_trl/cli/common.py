@@ -49,11 +49,14 @@ def set_console(trainer, console: str) -> None:
 
 
 def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> str:
-    """A model folder or hub id; `quickstart` is the tiny model shipped with the package (see
-    `retool_trl.models.names`)."""
-    from ..models.names import resolve_model
+    """A model folder (a run folder's `model/`) or hub id; `quickstart` is the tiny model shipped with the package
+    (see `retool_trl.models.names`). A hub id not in the cache fails at once when the hub cannot be reached."""
+    from ..models.names import check_hub_reachable, resolve_model
 
-    return resolve_model(name, option)
+    path = resolve_model(name, option)
+    if not os.path.exists(path):  # a hub id: one that cannot be fetched fails now, in seconds
+        check_hub_reachable(path, option)
+    return path
 
 
 def model_init_kwargs(model_args, config_kwargs) -> dict:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UserError, one_line
+from ..reporting.output_folder import check_output_dir
 from .common import (
     CHAT_TEMPLATE_PATH_HELP,
     PROG,
@@ -32,7 +33,12 @@ from .help import help_all_argv, render_help, wants_help
 class EvalArguments:
     """The model and the data of `retool-trl eval`."""
 
-    model: str = field(metadata={"help": "Model folder or hub id (a LoRA adapter folder is merged into its base)."})
+    model: str = field(
+        metadata={
+            "help": "Model folder, a run folder (its model/ is used) or hub id (a LoRA adapter folder is merged into "
+            "its base)."
+        }
+    )
     dataset: str = field(
         metadata={
             "help": "Problems: a known dataset (aime_2024, aime_2025, math500, gsm8k, "
@@ -69,6 +75,7 @@ SAMPLING_FIELDS = (
 # How prompts become token ids: the same as in training (`inference.tokenize_prompts`).
 PROMPT_FIELDS = ("chat_template_kwargs",)
 INTERPRETER_FIELDS = (
+    "call_format",
     "code_start",
     "code_end",
     "interpreter_start",
@@ -119,7 +126,8 @@ def eval_help() -> str:
     return render_help(
         f"{PROG} eval",
         "pass@1 / avg@k, code ratio, calls per answer and mean length, with the interpreter in the loop.\n"
-        "Example: retool-trl eval --model runs/quickstart/tool_rl --dataset synthetic --num_samples 4",
+        "Example: retool-trl eval --model runs/quickstart/tool_rl --dataset synthetic --num_samples 4\n"
+        "(a run folder's model/ is used; after `retool-trl quickstart --output-dir runs/quickstart`)",
         [
             ("model and data", [f.name for f in dataclasses.fields(EvalArguments)]),
             ("sampling", [*SAMPLING_FIELDS, *PROMPT_FIELDS]),
@@ -238,6 +246,7 @@ def main(argv: Sequence[str]) -> int:
     eval_args, config = parse_eval_args(help_all_argv(argv))
     if eval_args.num_samples < 1 or eval_args.batch_size < 1:
         raise UserError("num_samples and batch_size must be >= 1.")
+    check_output_dir(config.output_dir)  # before the evaluation, not after it
     model_path = resolve_model_path(eval_args.model, "model")
     take_trained_prompt_settings(model_path, eval_args, config, given_options(argv))
     check_dataset_name(eval_args.dataset, "--dataset")  # typos fail here, before any hub call
@@ -245,10 +254,14 @@ def main(argv: Sequence[str]) -> int:
     check_tokenizer(
         tokenizer,
         model_path,
-        vars(Tags.from_config(config)),
+        vars(Tags.from_config(config)) if config.call_format == "tags" else {},  # the tags the model writes
         eval_args.pad_token,
-        needs_chat_template=eval_args.prompt_format == "conversational",
+        needs_chat_template=eval_args.prompt_format == "conversational" or config.call_format == "tool_call",
     )
+    if config.call_format == "tool_call":
+        from ..format.tool_calls import ToolCallFormat
+
+        ToolCallFormat(tokenizer, config.chat_template_kwargs)  # a template that cannot carry tool calls: refused now
     dataset = load_problems(
         eval_args.dataset,
         eval_args.split,
@@ -266,21 +279,48 @@ def main(argv: Sequence[str]) -> int:
 
     import torch
 
-    from ..evaluation.scoring import evaluate, write_report
+    from ..evaluation.scoring import evaluate
+    from ..reporting.isolation import record_isolation
+    from ..sandbox.factory import sandbox_from_config
 
     model = load_eval_model(model_path, eval_args.dtype)
     torch.manual_seed(config.seed)
-    report = evaluate(
-        model,
-        tokenizer,
-        dataset,
-        config,
-        num_samples=eval_args.num_samples,
-        batch_size=eval_args.batch_size,
-        desc=f"Evaluating {short_model_name(model_path)} on {eval_args.dataset}",
-    )
+    sandbox = sandbox_from_config(config)
+    try:
+        if config.max_tool_calls > 0:
+            record_isolation(sandbox, config.output_dir)
+        report = evaluate(
+            model,
+            tokenizer,
+            dataset,
+            config,
+            num_samples=eval_args.num_samples,
+            batch_size=eval_args.batch_size,
+            desc=f"Evaluating {short_model_name(model_path)} on {eval_args.dataset}",
+            sandbox=sandbox,
+        )
+    finally:
+        sandbox.close()
     report.meta.update(model=eval_args.model, dataset=eval_args.dataset, split=eval_args.split)
-    paths = write_report(report, config.output_dir, eval_args.name or "results")
     print(report.markdown())
-    print(f"Wrote {paths['json']} and {paths['markdown']}")
+    save_report(report, config.output_dir, eval_args.name or "results")
     return 0
+
+
+def save_report(report, output_dir: str, name: str) -> None:
+    """Writes the report's files; if `output_dir` stopped taking writes during the evaluation (a full disk, a mount
+    gone read-only), writes them to a new temporary folder instead, says where, and fails: a finished evaluation is
+    never lost."""
+    from ..evaluation.scoring import write_report
+    from ..reporting.output_folder import fallback_folder
+
+    try:
+        paths = write_report(report, output_dir, name)
+    except OSError as error:
+        saved = fallback_folder("eval")
+        paths = write_report(report, saved, name)
+        raise UserError(
+            f"could not write the results to {output_dir!r} ({error.strerror or error}); the finished evaluation "
+            f"is in {paths['json']} and {paths['markdown']}: move them where you want them."
+        ) from None
+    print(f"Wrote {paths['json']} and {paths['markdown']}")

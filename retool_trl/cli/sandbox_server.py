@@ -5,7 +5,6 @@ URL) at it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -38,11 +37,13 @@ def _parser() -> OneLineParser:
         if field.name in ("host", "port", "token"):
             continue
         flag = "--" + field.name.replace("_", "-")
+        said = field.metadata.get("help", "")
         if field.type in ("bool",):
-            parser.add_argument(flag, action="store_true", help=f"(default: {field.default})")
+            parser.add_argument(flag, action="store_true", help=f"{said} (default: {field.default})".strip())
             continue
         kind = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}[field.type]
-        parser.add_argument(flag, type=kind, default=field.default, help=f"(default: {field.default})")
+        shown = "" if field.default is None else f" (default: {field.default})"  # a None default's help says it
+        parser.add_argument(flag, type=kind, default=field.default, help=f"{said}{shown}".strip())
     return parser
 
 
@@ -62,6 +63,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         raise UserError(one_line(error)) from None
     from ..sandbox.host.zygote import SandboxStartError, UnsafeSandboxError
+    from ..sandbox.server.http import head_timeout_protocol
     from ..sandbox.server.table import SessionTable
 
     table = SessionTable(config)
@@ -71,9 +73,9 @@ def main(argv: Sequence[str]) -> int:
     except (UnsafeSandboxError, SandboxStartError) as error:
         table.close()
         raise UserError(f"the sandbox cannot start here: {one_line(error)}") from None
-    print(f"[retool-trl] sandbox isolation: {json.dumps(report)}", flush=True)
-    if report.get("missing"):
-        logger.warning("sandbox-server: protections missing here: %s", "; ".join(report["missing"]))
+    # One line of what holds and what does not; each missing protection in full is in GET /health's `missing`.
+    where = " What it does not give, in full: GET /health ('missing')." if report.get("missing") else ""
+    print(f"[retool-trl] sandbox isolation: {report.get('summary', report.get('isolation'))}{where}", flush=True)
     app = create_app(config, table)
     print(f"[retool-trl] sandbox server on http://{config.host}:{config.port}", flush=True)
     uvicorn.run(
@@ -84,5 +86,8 @@ def main(argv: Sequence[str]) -> int:
         timeout_graceful_shutdown=config.grace_s,
         # Keep-alive connections of a trainer's pool stay open between rollout steps.
         timeout_keep_alive=75,
+        # A request head must come whole and soon: bounded in size (h11's limit) and in time (the protocol's).
+        http=head_timeout_protocol(config.header_timeout_s),
+        h11_max_incomplete_event_size=16 * 1024,
     )
     return 0

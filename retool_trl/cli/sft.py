@@ -37,6 +37,15 @@ class SFTScriptArguments(ScriptArguments):
     dataset_test_split: str | None = field(
         default=None, metadata={"help": "Split evaluated when eval_strategy is set (default: 'test')."}
     )
+    call_format: str = field(
+        default="tags",
+        metadata={
+            "help": "Call format to train, as in RL: 'tags' (the traces as they are), 'tool_call' (code blocks become "
+            "the chat template's tool calls to `code_interpreter`, interpreter blocks tool messages) or 'markdown' "
+            "(```python blocks, ```output fences). The tags below say how the traces mark code and output.",
+            "choices": ["tags", "tool_call", "markdown"],
+        },
+    )
     code_start: str = field(default=Tags.code_start, metadata={"help": "Tag that opens a code block."})
     code_end: str = field(default=Tags.code_end, metadata={"help": "Tag that closes a code block."})
     interpreter_start: str = field(
@@ -99,7 +108,10 @@ def sft_help() -> str:
                     "max_train_samples",
                 ],
             ),
-            ("text format", ["system_prompt", "code_start", "code_end", "interpreter_start", "interpreter_end"]),
+            (
+                "text format",
+                ["system_prompt", "call_format", "code_start", "code_end", "interpreter_start", "interpreter_end"],
+            ),
             ("console", ["console"]),
         ],
         [SFTScriptArguments, ModelConfig],
@@ -150,9 +162,11 @@ def build_sft(argv: Sequence[str]):
     from ..format.prompts import resolve_system_prompt
     from ..models.names import check_hub_id
     from ..models.tokenizers import check_tokenizer, load_tokenizer
+    from ..reporting.output_folder import check_output_dir
     from ..sft import build_sft_trainer
 
     script_args, sft_args, model_args = parse_sft_args(argv)
+    check_output_dir(sft_args.output_dir)  # before anything is loaded
     model_path = resolve_model_path(model_args.model_name_or_path)
     if not script_args.dataset_name:
         raise UserError("no traces: set `dataset_name` (e.g. JoeYing/ReTool-SFT or a local .jsonl file).")
@@ -164,6 +178,7 @@ def build_sft(argv: Sequence[str]):
     if not is_local_dataset(script_args.dataset_name):
         check_hub_id(script_args.dataset_name, "dataset", "dataset_name")  # typos fail here, before any hub call
     tags = Tags.from_config(script_args)
+    call_format = script_args.call_format
     tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
 
     def traces(split, max_samples):
@@ -179,8 +194,19 @@ def build_sft(argv: Sequence[str]):
         return _in_format(dataset, script_args.prompt_format, script_args.dataset_name)
 
     train, conversational = traces(script_args.dataset_train_split, script_args.max_train_samples)
-    check_tokenizer(tokenizer, model_path, vars(tags), sft_args.pad_token, needs_chat_template=conversational)
-    system = resolve_system_prompt(script_args.system_prompt, tags)
+    written = vars(tags) if call_format == "tags" else {}  # the tags the model itself will write
+    check_tokenizer(
+        tokenizer,
+        model_path,
+        written,
+        sft_args.pad_token,
+        needs_chat_template=conversational or call_format == "tool_call",
+    )
+    if call_format == "tool_call":
+        from ..format.tool_calls import ToolCallFormat
+
+        ToolCallFormat(tokenizer)  # a template TRL cannot parse, or not prefix-preserving: refused now, in one line
+    system = resolve_system_prompt(script_args.system_prompt, tags, call_format)
     train = with_trace_system_prompt(train, system)
     eval_dataset = None
     if sft_args.eval_strategy != "no":
@@ -195,6 +221,7 @@ def build_sft(argv: Sequence[str]):
             tags=tags,
             eval_dataset=eval_dataset,
             peft_config=get_peft_config(model_args),
+            call_format=call_format,
         )
     except ValueError as error:
         if isinstance(error, UserError) or "trace" in str(error) or "chat template" in str(error):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError
+from ..reporting.output_folder import check_output_dir
 from .common import (
     CHAT_TEMPLATE_PATH_HELP,
     PROG,
@@ -156,6 +157,7 @@ def build_train(argv: Sequence[str]):
     from ..rewards.registry import check_reward_kwargs, resolve_reward_funcs
 
     script_args, training_args, model_args = parse_train_args(argv)
+    check_output_dir(training_args.output_dir)  # before anything is loaded
     model_path = resolve_model_path(model_args.model_name_or_path)
     if not script_args.dataset_name:
         raise UserError("no training data: set `dataset_name` (e.g. dapo_math, a hub id or a local .jsonl file).")
@@ -170,13 +172,14 @@ def build_train(argv: Sequence[str]):
     tokenizer = load_tokenizer(
         model_path, model_args.model_revision, training_args.trust_remote_code, script_args.chat_template_path
     )
-    tags = vars(Tags.from_config(training_args))
+    # The tags are checked where the model writes them; the other formats' markers are the template's or plain text.
+    tags = vars(Tags.from_config(training_args)) if training_args.call_format == "tags" else {}
     check_tokenizer(
         tokenizer,
         model_path,
         tags,
         script_args.pad_token,
-        needs_chat_template=script_args.prompt_format == "conversational",
+        needs_chat_template=script_args.prompt_format == "conversational" or training_args.call_format == "tool_call",
     )
 
     def problems(name, split, config_name, max_samples, seed):
@@ -253,6 +256,10 @@ def main(argv: Sequence[str]) -> int:
         print(train_help().rstrip("\n"))
         return 0
     trainer = build_train(help_all_argv(argv))
+    if trainer.args.max_tool_calls > 0 and trainer.is_world_process_zero():
+        from ..reporting.isolation import record_isolation
+
+        record_isolation(trainer.sandbox, trainer.args.output_dir)
     trainer.train(resume_from_checkpoint=resume_value(trainer.args))
     finish(trainer, trainer.args.output_dir, trainer.retool_run_info)
     return 0

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 from transformers import GenerationConfig
 
+from ..format.choice import call_format_from_config, call_stop
 from ..format.parsing import with_system_prompt
+from ..format.tool_calls import TOOLS
 from ..rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
 from ..rollout.engines.transformers_generate import TransformersBackend
 from ..sandbox.factory import sandbox_from_config, with_cell_limits
@@ -56,12 +58,13 @@ def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
         args = SimpleNamespace(resolved_system_prompt=args, chat_template_kwargs=None)
     from trl import GRPOTrainer
 
-    # The attributes `_tokenize_prompts` reads, as a text-only GRPOTrainer without tools or environments sets them.
+    # The attributes `_tokenize_prompts` reads, as a GRPOTrainer without environments sets them; with the
+    # `tool_call` format, its tool (the template writes the tool's instructions into the prompt).
     trainer_view = SimpleNamespace(
         processing_class=tokenizer,
         _is_vlm=False,
         environment_factories=None,
-        tools=None,
+        tools=TOOLS if getattr(args, "call_format", "tags") == "tool_call" else None,
         chat_template=None,
         chat_template_kwargs=args.chat_template_kwargs or {},
     )
@@ -72,7 +75,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
 
 
 def generate_with_interpreter(
-    model, tokenizer, prompts: Sequence, args, sandbox=None, batch_size: int = 64
+    model, tokenizer, prompts: Sequence, args, sandbox=None, batch_size: int = 64, health: SandboxHealth | None = None
 ) -> RolloutResult:
     """Samples one completion per prompt with code execution, exactly as `ReToolTrainer` rolls out.
 
@@ -83,21 +86,23 @@ def generate_with_interpreter(
         args: A `ReToolConfig` (tags, limits, sampling settings, sandbox).
         sandbox: A sandbox to reuse; by default one is built from `args` and closed afterwards.
         batch_size: Sequences generated together.
+        health: The sandbox's watch to carry on (a caller that calls this chunk by chunk on one sandbox passes one,
+            so the sandbox is probed before the first chunk only); by default a new one.
 
     Raises:
         `SandboxUnavailableError`: The sandbox cannot run a trivial cell, or every call of a batch failed in it.
     """
     eos_token_ids = eos_token_ids_of(model, tokenizer)
-    spec = RolloutSpec.from_config(args, eos_token_ids)
+    spec = RolloutSpec.from_config(args, eos_token_ids, call_format=call_format_from_config(args, tokenizer))
     backend = TransformersBackend(
-        model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), args.code_end, eos_token_ids
+        model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), call_stop(args), eos_token_ids
     )
     prompt_ids = tokenize_prompts(tokenizer, prompts, args)
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else with_cell_limits(sandbox, args)
     # A sandbox that cannot run code stops the evaluation (`SandboxUnavailableError`) rather than score every
     # completion as if the model had not used the interpreter.
-    health = SandboxHealth("evaluation")
+    health = health or SandboxHealth("evaluation")
     watched = health.watch(sandbox)
     parts = []
     try:

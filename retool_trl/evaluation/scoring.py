@@ -10,7 +10,11 @@ is correct when the last `\boxed{}` of the model's own prose is equivalent to th
 - `code_ratio`: share of completions with at least one interpreter call;
 - `calls_per_answer`: interpreter calls per completion;
 - `mean_length`: completion tokens (interpreter tokens included), and `mean_model_tokens` (policy tokens only);
-- `tool_error_rate`, `accuracy_with_code`, `accuracy_without_code`, `truncated_ratio` (no EOS within the budget).
+- `tool_error_rate`, `accuracy_with_code`, `accuracy_without_code`, `truncated_ratio` (no EOS within the budget);
+- `infra_failed`: completions whose sandbox (or engine) failed for its own reasons even after a retry, and
+  `infra_failed_ratio`, their share. Such a completion says nothing about the model: it is left out of every other
+  metric (as training leaves it out of the loss), and a problem whose samples all failed so is left out of the
+  per-problem ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..format.choice import prose_format
 from ..format.parsing import Tags
 from ..rewards.functions import final_answer, is_equivalent
 
@@ -33,7 +38,8 @@ class EvalReport:
         num_problems (`int`): Problems evaluated.
         num_samples (`int`): Completions per problem (`k`).
         records (`list[dict]`): One entry per completion: `problem`, `sample`, `answer`, `prediction`, `correct`,
-            `num_tool_calls`, `num_tool_errors`, `length`, `model_tokens`, `truncated`, `completion`.
+            `num_tool_calls`, `num_tool_errors`, `length`, `model_tokens`, `truncated`, `infra_failed`,
+            `completion`.
         meta (`dict`): Settings worth recording (model, dataset, sampling), filled by the caller.
     """
 
@@ -48,8 +54,16 @@ class EvalReport:
         for r in self.records:
             entry = by_problem.setdefault(
                 r["problem"],
-                {"index": r["problem"], "answer": r["answer"], "correct": [], "predictions": [], "num_tool_calls": []},
+                {
+                    "index": r["problem"],
+                    "answer": r["answer"],
+                    "correct": [],
+                    "predictions": [],
+                    "num_tool_calls": [],
+                    "infra_failed": [],
+                },
             )
+            entry["infra_failed"].append(bool(r.get("infra_failed", False)))
             entry["correct"].append(r["correct"])
             entry["predictions"].append(r["prediction"])
             entry["num_tool_calls"].append(r["num_tool_calls"])
@@ -59,6 +73,7 @@ class EvalReport:
             "num_problems": self.num_problems,
             "num_samples": self.num_samples,
             "num_completions": len(self.records),
+            "num_infra_failed": sum(bool(r.get("infra_failed", False)) for r in self.records),
             "metrics": self.metrics,
             "settings": self.meta.get("settings", {}),
             "problems": [by_problem[i] for i in sorted(by_problem)],
@@ -77,10 +92,12 @@ class EvalReport:
             # With one sample per problem avg@1 and pass@1 are pass@1 again: one column, not three.
             *([(f"avg@{k}", _pct(m[f"avg@{k}"])), (f"pass@{k}", _pct(m[f"pass@{k}"]))] if k > 1 else []),
             ("code ratio", _pct(m["code_ratio"])),
-            ("calls/answer", f"{m['calls_per_answer']:.2f}"),
+            ("calls/answer", _number(m["calls_per_answer"], ".2f")),
             # Every completion token, the interpreter's included (`mean_model_tokens` in the JSON: the policy's).
-            ("mean length (tokens, interpreter included)", f"{m['mean_length']:.1f}"),
+            ("mean length (tokens, interpreter included)", _number(m["mean_length"], ".1f")),
             ("tool errors", _pct(m["tool_error_rate"])),
+            # Sandbox failures are not the model's: shown beside the scores they are left out of, when there are any.
+            *([("sandbox failures (unscored)", str(m["infra_failed"]))] if m.get("infra_failed") else []),
         ]
         head = "| " + " | ".join(c for c, _ in columns) + " |"
         rule = "|" + "|".join("---" for _ in columns) + "|"
@@ -90,6 +107,10 @@ class EvalReport:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -109,7 +130,7 @@ def score_rollout(
 
     Returns:
         One dict per completion with `prediction`, `correct`, `num_tool_calls`, `num_tool_errors`, `length`,
-        `model_tokens` and `truncated`.
+        `model_tokens`, `truncated` and `infra_failed` (the sandbox failed for its own reasons: not scored).
     """
     records = []
     for i, answer in enumerate(answers):
@@ -125,14 +146,20 @@ def score_rollout(
                 "length": len(ids),
                 "model_tokens": int(sum(mask)),
                 "truncated": not ids or ids[-1] not in set(eos_token_ids),
+                "infra_failed": bool(result.infra_failed[i]) if result.infra_failed else False,
             }
         )
     return records
 
 
 def compute_metrics(records: Sequence[dict], num_samples: int) -> dict[str, float | None]:
-    """Aggregate metrics of scored completions (each with `problem` and `sample` indices); see the module docstring."""
+    """Aggregate metrics of scored completions (each with `problem` and `sample` indices); see the module docstring.
+
+    Completions marked `infra_failed` are counted in `infra_failed` and left out of everything else: `pass@1` takes
+    each problem's first scored sample."""
     k = num_samples
+    failed = [r for r in records if r.get("infra_failed")]
+    records = [r for r in records if not r.get("infra_failed")]
     problems: dict[int, list[dict]] = {}
     for r in records:
         problems.setdefault(r["problem"], []).append(r)
@@ -152,6 +179,8 @@ def compute_metrics(records: Sequence[dict], num_samples: int) -> dict[str, floa
         "accuracy_with_code": _mean(with_code),
         "accuracy_without_code": _mean(without_code),
         "truncated_ratio": _mean([r["truncated"] for r in records]),
+        "infra_failed": len(failed),
+        "infra_failed_ratio": len(failed) / (len(failed) + len(records)) if failed or records else 0.0,
     }
 
 
@@ -183,21 +212,29 @@ def evaluate(
     from tqdm.auto import tqdm
 
     from ..sandbox.factory import sandbox_from_config
+    from ..training.sandbox_health import SandboxHealth
     from .inference import eos_token_ids_of, generate_with_interpreter
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
-    tags = Tags.from_config(args)
+    tags = prose_format(args)  # the model's own prose, in the call format it writes
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else sandbox
     records: list[dict] = []
+    health = SandboxHealth("evaluation")  # one for all chunks: the sandbox is probed once
     bar = tqdm(total=len(jobs), desc=desc, unit="completion", disable=not progress)
     try:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             with torch.no_grad():
                 result = generate_with_interpreter(
-                    model, tokenizer, [prompts[p] for p, _ in chunk], args, sandbox=sandbox, batch_size=batch_size
+                    model,
+                    tokenizer,
+                    [prompts[p] for p, _ in chunk],
+                    args,
+                    sandbox=sandbox,
+                    batch_size=batch_size,
+                    health=health,
                 )
             scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, eos_token_ids_of(model, tokenizer))
             for (p, s), record, ids in zip(chunk, scored, result.completion_ids):

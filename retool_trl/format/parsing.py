@@ -62,16 +62,24 @@ def remove_spans(text: str, start_tag: str, end_tag: str) -> str:
     return "".join(pieces)
 
 
-def model_prose(text: str, tags: Tags = Tags()) -> str:
+def model_prose(text: str, tags=Tags()) -> str:
     """The text the model wrote outside code and interpreter blocks.
 
     This is where a final answer counts: a `\\boxed{}` printed by code (inside an interpreter block) or written in a
-    code block is not the model's answer. Blocks are read left to right, as they were written: inside a code block
-    an interpreter tag is just code (a string literal, a comment), and an interpreter block ends at the first
-    `interpreter_end` (the rollout defangs the tags in the output it splices in, so that one is the real end). An
-    unclosed block runs to the end of the text.
+    code block is not the model's answer. `tags` is a `Tags`, or a call format (`retool_trl.format.calls`), whose own
+    blocks are then the ones left out.
     """
+    if hasattr(tags, "model_prose"):
+        return tags.model_prose(text)
     spans = ((tags.code_start, tags.code_end), (tags.interpreter_start, tags.interpreter_end))
+    return remove_first_spans(text, spans)
+
+
+def remove_first_spans(text: str, spans) -> str:
+    """Deletes every `(start, end)` span, read left to right as written: inside a span, another span's start is just
+    text (an interpreter tag in a string literal of code), and a span ends at the first `end` after its start (the
+    rollout defangs the tags in the output it splices in, so that one is the real end). An unclosed span runs to the
+    end of the text."""
     pieces, pos = [], 0
     while True:
         found = [(text.find(start, pos), start, end) for start, end in spans]
@@ -79,7 +87,7 @@ def model_prose(text: str, tags: Tags = Tags()) -> str:
         if not found:
             pieces.append(text[pos:])
             return "".join(pieces)
-        begin, start, end = min(found)
+        begin, start, end = min(found, key=lambda f: (f[0], -len(f[1])))
         pieces.append(text[pos:begin])
         close = text.find(end, begin + len(start))
         if close < 0:
@@ -90,7 +98,7 @@ def model_prose(text: str, tags: Tags = Tags()) -> str:
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def clean_output(output: str, tags: Tags = Tags()) -> str:
+def clean_output(output: str, tags=Tags()) -> str:
     """Interpreter output made safe to splice into the completion.
 
     Lone surrogates (from `print(chr(0xD800))`) become U+FFFD, so the text can be encoded; and every tag the output
@@ -99,7 +107,7 @@ def clean_output(output: str, tags: Tags = Tags()) -> str:
     """
     output = _LONE_SURROGATE.sub("\ufffd", output)
     for _ in range(len(output) + 1):  # to a fixpoint: a tag such as `]]]` overlaps itself in `]]]]`
-        found = [tag for tag in astuple(tags) if tag in output]
+        found = [tag for tag in (astuple(tags) if isinstance(tags, Tags) else tags) if tag in output]
         if not found:
             return output
         for tag in found:

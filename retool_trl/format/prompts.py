@@ -41,11 +41,42 @@ SYSTEM_PROMPTS: dict[str, str] = {
 }
 
 
-def resolve_system_prompt(name_or_text: str | None, tags: Tags = Tags()) -> str | None:
-    """The system prompt text for a setting: a shipped name (filled with `tags`), a literal prompt used as written,
-    or `None` for `None`/`"none"`."""
+# The shipped prompts as each other call format words them (same names): the model is told its own format.
+FORMAT_PROMPTS: dict[str, dict[str, str]] = {
+    "tool_call": {
+        "retool": (
+            "Solve the problem step by step. You can call the `code_interpreter` tool to run Python code in a "
+            "persistent session (variables and imports carry over between calls); it returns what the code prints. "
+            "Use it for exact computation and to check your reasoning; print the values you need. When you are done, "
+            "write the final answer once as \\boxed{answer}."
+        ),
+        "retool_concise": (
+            "Call the `code_interpreter` tool for any computation. End with the final answer in \\boxed{}."
+        ),
+    },
+    "markdown": {
+        "retool": (
+            "Solve the problem step by step. You have a Python interpreter: to run code, write it in a ```python "
+            "block. Generation stops after the closing fence, the code runs in a persistent session (variables and "
+            "imports carry over between calls), and what it prints is returned in an ```output block. Use the "
+            "interpreter for exact computation and to check your reasoning; print the values you need. When you are "
+            "done, write the final answer once as \\boxed{answer}."
+        ),
+        "retool_concise": (
+            "Use ```python blocks for any computation; their output appears in ```output blocks. End with the final "
+            "answer in \\boxed{}."
+        ),
+    },
+}
+
+
+def resolve_system_prompt(name_or_text: str | None, tags: Tags = Tags(), call_format: str = "tags") -> str | None:
+    """The system prompt text for a setting: a shipped name (filled with `tags`, worded for `call_format`), a
+    literal prompt used as written, or `None` for `None`/`"none"`."""
     if name_or_text is None or name_or_text.strip().lower() == "none":
         return None
+    if name_or_text in FORMAT_PROMPTS.get(call_format, {}):
+        return FORMAT_PROMPTS[call_format][name_or_text]
     template = SYSTEM_PROMPTS.get(name_or_text)
     if template is None:
         return name_or_text
@@ -76,7 +107,7 @@ def add_system_prompt(prompt, system_prompt: str | None):
 # Written next to a model saved by `ReToolTrainer`: how its prompts were built, so that `retool-trl eval` of that
 # model builds them the same way without being told.
 PROMPT_SETTINGS = "retool_prompt.json"
-PROMPT_SETTING_FIELDS = ("system_prompt", "chat_template_kwargs", *Tags.__dataclass_fields__)
+PROMPT_SETTING_FIELDS = ("system_prompt", "chat_template_kwargs", "call_format", *Tags.__dataclass_fields__)
 
 
 def write_prompt_settings(folder, args, dataset=None) -> None:

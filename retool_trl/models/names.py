@@ -11,12 +11,15 @@ A leaf module (no torch, no TRL): the command line checks every name here before
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import UserError
+
+logger = logging.getLogger("retool_trl.models")
 
 ASSETS = Path(__file__).parents[1] / "assets"
 # Checkpoints shipped with the package, by the alias `model_name_or_path` / `--model` accept.
@@ -110,7 +113,64 @@ def resolve_model(name: str | None, option: str = "model_name_or_path") -> str:
     if name in MODEL_ALIASES:
         return quickstart_model_path(name)
     check_hub_id(name, "model", option, MODEL_ALIASES, path_noun="model folder")
-    return os.path.expanduser(name)
+    path = os.path.expanduser(name)
+    return _model_folder(path, option) if os.path.isdir(path) else path
 
 
-__all__ = ["MODEL_ALIASES", "check_hub_id", "looks_local", "quickstart_model_path", "resolve_model"]
+def _model_folder(path: str, option: str) -> str:
+    """`path`, or the `model/` inside a run folder (`retool-trl train`'s and the quickstart's runs keep it there)."""
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        return path
+    inner = os.path.join(path, "model")
+    if os.path.isfile(os.path.join(inner, "config.json")) or os.path.isfile(
+        os.path.join(inner, "adapter_config.json")
+    ):
+        logger.info("%s %s is a run folder: using its model, %s", option, path, inner)
+        return inner
+    raise UserError(
+        f"{option} {path!r} is a folder without a model (no config.json, and no model/ folder with one); pass the "
+        "folder that holds config.json (a run folder's model/, or a checkpoint-N/ inside it)."
+    )
+
+
+# Seconds to wait for the hub before saying it cannot be reached (huggingface_hub itself retries for about a minute).
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def check_hub_reachable(repo_id: str, option: str) -> None:
+    """A hub model that is not in the local cache needs the hub: when the hub cannot be reached (offline, a firewall,
+    `HF_HUB_OFFLINE=1`), fails in seconds with one line instead of after a minute of retries."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers loads it from there even when the hub is down
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(
+            f"{option} {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it "
+            "where the hub is reachable, or pass a local model folder."
+        )
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S)
+    except urllib.error.HTTPError:
+        return  # the hub answered (any status): it is reachable
+    except (OSError, ValueError) as error:
+        why = " ".join(str(getattr(error, "reason", error)).split())
+        raise UserError(
+            f"{option} {repo_id!r} is not in the local Hugging Face cache and the hub ({constants.ENDPOINT}) cannot "
+            f"be reached ({why}); connect to it, set HF_ENDPOINT to a mirror, or pass a local model folder."
+        ) from None
+
+
+__all__ = [
+    "MODEL_ALIASES",
+    "check_hub_id",
+    "check_hub_reachable",
+    "looks_local",
+    "quickstart_model_path",
+    "resolve_model",
+]

@@ -126,6 +126,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     import torch
     from transformers import AutoTokenizer
 
+    from ..reporting.isolation import record_isolation
     from ..sandbox.factory import sandbox_from_config
 
     make_plan, defaults = PLANS.get(kwargs.get("task", "arithmetic"), PLANS["arithmetic"])
@@ -140,6 +141,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
     # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
     sandbox = sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
+    record_isolation(sandbox, out)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
@@ -184,6 +186,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
 def main(argv: list[str] | None = None) -> int:
     """`retool-trl quickstart [--output-dir DIR] [--max-steps N] ...`: every [`QuickstartArguments`] field."""
     from ..errors import UserError
+    from ..reporting.output_folder import check_output_dir
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, no usage block (the CLI prints it)
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(str(error)) from None
     if options.get("model") is not None and not (Path(options["model"]) / "config.json").is_file():
         raise UserError(f"--model {options['model']!r} is not a model folder (no config.json); pass a checkpoint.")
+    check_output_dir(options.get("output_dir", "retool_quickstart"), "output-dir")  # before any training
     if seeds is not None:
         run_seeds(seeds, run_quickstart, **options)
     else:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .run_logs import accuracy_of, find_runs, load_log_history, read_run_info, series
+from .stage_plot import STAGE_KEYS, draw_stages
 
 # Re-exported: `load_log_history` lived here first.
 __all__ = [
@@ -43,6 +44,8 @@ class Panel:
         percent (`bool`): Values are fractions, shown in %.
         held_out (`str`, *optional*): The quickstart summary's metric drawn as before/after markers.
         sft (`bool`): Drawn only for runs without a reward (SFT); a GRPO loss says little.
+        stacked (`bool`): The series are parts of a whole, stacked (one run per panel: `run`).
+        run (`str`, *optional*): The one run a stacked panel draws.
     """
 
     title: str
@@ -51,6 +54,8 @@ class Panel:
     percent: bool = False
     held_out: str | None = None
     sft: bool = False
+    stacked: bool = False
+    run: str | None = None
 
 
 def _line(label: str, key: str | None, transform: Callable | None = None) -> tuple:
@@ -102,6 +107,12 @@ RUN_PANELS = (
     Panel("entropy", "entropy (nats per token)", (_line("", "entropy"),)),
     Panel("loss", "cross-entropy (nats per token)", (_line("", "loss"),), sft=True),
     Panel("token accuracy", "next-token accuracy (%)", (_line("", "mean_token_accuracy"),), True),
+    Panel(
+        "where a step's time goes",
+        "seconds per step",
+        tuple(_line("", key) for key in (*STAGE_KEYS, "retool/time/step")),
+        stacked=True,
+    ),
 )
 
 # The quickstart's panels (one row); accuracy and calls get the held-out before/after markers.
@@ -158,16 +169,38 @@ def _reward_range(histories: Mapping[str, Sequence[dict]]) -> tuple[float, float
     return None
 
 
+# A run has the same color in every figure (the quickstart's two runs by name); a single run's other series (with
+# and without code, errors and timeouts) take colors no run has.
+RUN_COLORS = {"tool_rl": "C0", "text_rl": "C1"}
+SERIES_COLORS = ("C2", "C4", "C6")
+
+
+def run_colors(runs) -> dict[str, str]:
+    """The color of each run: the quickstart's runs by name, others the next colors no run has taken."""
+    free = iter(c for c in (f"C{i}" for i in range(10)) if c not in RUN_COLORS.values() and c not in SERIES_COLORS)
+    return {run: RUN_COLORS.get(run) or next(free, "C9") for run in runs}
+
+
 def _draw_panel(ax, panel: Panel, histories, colors, evals, reward_range) -> int:
     """Draws one panel; returns the widest rolling window it used (1: none)."""
+    if panel.stacked:
+        draw_stages(ax, histories[panel.run] if panel.run in histories else next(iter(histories.values())))
+        ax.set_title(f"{panel.title}{f' ({panel.run})' if panel.run and len(histories) > 1 else ''}", fontsize=10)
+        ax.set_ylabel(panel.ylabel, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        return 1
     styles, widest, annotated, held_out_span = ("-", "--", ":"), 1, set(), 0
     for run, history in histories.items():
         color = colors[run]
         for index, ((label, steps, values), style) in enumerate(zip(_panel_series(panel, history), styles)):
             if not values:
                 continue
-            if len(histories) == 1:  # one run: colors tell the series apart (several runs: colors are the runs)
-                color = f"C{index}"
+            if len(histories) == 1 and index:  # one run: colors tell its series apart, never another run's color
+                color = SERIES_COLORS[(index - 1) % len(SERIES_COLORS)]
             name = " · ".join(part for part in (run if len(histories) > 1 else "", label) if part) or None
             window = _window(len(values))
             widest = max(widest, window)
@@ -300,17 +333,24 @@ def plot_runs(
     rewarded = any("reward" in entry for h in histories.values() for entry in h)
     chosen = [p for p in panels if _changes(p, histories) or (keep_flat and _has_values(p, histories))]
     chosen = [p for p in chosen if not (p.sft and rewarded)]
+    # A stacked panel per run that logged its parts (parts of several runs cannot share one stack).
+    chosen = [
+        replace(p, run=run) if p.stacked else p
+        for p in chosen
+        for run in (histories if p.stacked else [None])
+        if not p.stacked or _changes(p, {run: histories[run]})
+    ]
     if not chosen:
         raise ValueError("nothing to plot: none of the panels' metrics was logged (or none changed).")
     ncols = max(1, min(ncols, len(chosen)))
     nrows = -(-len(chosen) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.1 * nrows + 0.6), squeeze=False)
-    colors = {run: f"C{i}" for i, run in enumerate(histories)}
+    colors = run_colors(histories)
     reward_range = reward_range or _reward_range(histories)
     widest = 1
     for ax, panel in zip(axes.flat, chosen):
         widest = max(widest, _draw_panel(ax, panel, histories, colors, evals, reward_range))
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and not panel.stacked:  # a stack's legend is its own (top first)
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(chosen) :]:
         ax.set_visible(False)
@@ -380,8 +420,17 @@ def plot_comparison(
     )
 
 
-def _title(runs: Sequence[str], info: Mapping) -> str:
-    parts = [" and ".join(runs)]
+# What the quickstart's runs are, for the title of a figure of one of them.
+RUN_MEANINGS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without the interpreter"}
+
+
+def _title(runs: Sequence[str], info: Mapping, folder: Path | None = None) -> str:
+    named = [f"{run} ({RUN_MEANINGS[run]})" if run in RUN_MEANINGS and len(runs) == 1 else run for run in runs]
+    parts = [" and ".join(named)]
+    if len(runs) == 1 and info.get("command"):
+        parts.append(str(info["command"]))
+    if len(runs) == 1 and not info and folder is not None:  # nothing recorded: at least say which folder it is
+        parts.append(f"training run in {folder.resolve()}")
     parts += [f"{k} {info[k]}" for k in ("task", "model", "dataset", "seed") if info.get(k) not in (None, "")]
     return " · ".join(parts)
 
@@ -402,7 +451,7 @@ def plot_run(run: str | Path, output: str | Path | None = None, metrics: Sequenc
     histories = {name: load_log_history(states[name]) for name in order}
     evals = {name: info["evals"][name] for name in histories if name in info.get("evals", {})}
     output = folder / "training_curves.png" if output is None else output
-    title = _title(list(histories), info)
+    title = _title(list(histories), info, folder)
     if metrics:
         panels = [Panel(key, "logged value", (_line("", key),)) for key in metrics]
         return plot_runs(histories, output, panels, title=title, keep_flat=True)

@@ -86,8 +86,9 @@ def read_run_info(folder: str | Path) -> dict:
     for candidate in (folder / RUN_INFO, folder.parent / RUN_INFO):
         if candidate.is_file():
             return json.loads(candidate.read_text())
-    summary = folder / "summary.json"
-    if summary.is_file():
+    # A quickstart's summary: in the folder plotted, or in its parent when one of its runs is plotted alone.
+    summary = next((f / "summary.json" for f in (folder, folder.parent) if (f / "summary.json").is_file()), None)
+    if summary is not None:
         data = json.loads(summary.read_text())
         settings = data.get("settings", {})
         runs = {name: entry for name, entry in data.items() if isinstance(entry, dict) and "steps" in entry}

@@ -4,7 +4,10 @@
 
 1. generate for every active sequence until EOS, the code-end tag, or its token budget (one backend call per turn);
 2. collect the code blocks that just closed, across the whole batch, and run them concurrently in the sandbox;
-3. append `<interpreter>output</interpreter>` *token ids* to those sequences (mask 0) and resume only them.
+3. append the results' *token ids* to those sequences (mask 0) and resume only them.
+
+What a call looks like is the call format's business (`spec.call_format`, `retool_trl.format.calls`): where a turn's
+call ends, what code it carries, what ids its results insert (`<interpreter>output</interpreter>` for the tags).
 
 Completions are built by concatenating token ids turn by turn, never by decoding and re-encoding the sequence, so the
 interpreter mask (1 = sampled by the policy, 0 = inserted by the environment) is aligned with `completion_ids` by
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
-from ..format.parsing import Tags, clean_output, extract_code, last_boxed, model_prose
+from ..format.calls import Call, TagFormat
+from ..format.parsing import Tags, last_boxed
 from ..sandbox import ExecResult, truncate_output
 from .types import GenerationBackend, TurnOutput
 
@@ -50,9 +54,17 @@ class RolloutSpec:
     max_interpreter_output_chars: int = 1024
     interpreter_truncation: str = "middle"
     max_model_len: int | None = None
+    # How the model calls the interpreter (`retool_trl.format.calls`); the tags format of `tags` when not given.
+    call_format: object = None
+
+    def __post_init__(self):
+        if self.call_format is None:
+            self.call_format = TagFormat(self.tags)
 
     @classmethod
-    def from_config(cls, args, eos_token_ids: Sequence[int], max_model_len: int | None = None) -> RolloutSpec:
+    def from_config(
+        cls, args, eos_token_ids: Sequence[int], max_model_len: int | None = None, call_format=None
+    ) -> RolloutSpec:
         return cls(
             max_completion_length=args.max_completion_length,
             eos_token_ids=list(eos_token_ids),
@@ -61,6 +73,7 @@ class RolloutSpec:
             max_interpreter_output_chars=args.max_interpreter_output_chars,
             interpreter_truncation=args.interpreter_truncation,
             max_model_len=max_model_len,
+            call_format=call_format,
         )
 
 
@@ -117,11 +130,10 @@ class _Row:
     turns: int = 0
     session: object = None
     cells: list[str] = field(default_factory=list)  # code run so far, replayed if the session must be replaced
+    calls: int = 0  # calls made (run, or failed to parse)
+    # Text the last turn's final token carried past its call (`</code>` completed by `><`): the next turn's start.
+    carry: str = ""
     done: bool = False
-
-    @property
-    def calls(self) -> int:
-        return len(self.cells)
 
     def budget(self, spec: RolloutSpec) -> int:
         """Tokens this completion may still take: what is left of `max_completion_length`, and of the engine's
@@ -137,32 +149,48 @@ class _Row:
         # Environment tokens were not sampled; 0.0 is a placeholder that the mask keeps out of every loss term.
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
-    def take_turn(self, out: TurnOutput, text: str, spec: RolloutSpec, eos: set[int]) -> str | None:
-        """Appends a generated turn (`text` is its decoded tokens); returns the code to run now, if any."""
+    def take_turn(self, out: TurnOutput, text: str, spec: RolloutSpec, eos: set[int]) -> list[Call]:
+        """Appends a generated turn (`text` is its decoded tokens); returns the calls to run now, if any."""
+        fmt = spec.call_format
+        prefix = self.prompt_ids + self.completion_ids if fmt.calls_at_turn_end else None
         self.turns += 1
         self.append(out.token_ids, 1, out.logprobs)
-        code = extract_code(text, spec.tags)
+        text, self.carry = self.carry + text, ""
         ended = not out.token_ids or out.token_ids[-1] in eos or out.finished
         # Out of budget or out of context: cut at the limit, the completion ends truncated (not a void turn).
         truncated = not ended and self.budget(spec) <= 0
-        if not truncated:  # a finished turn: void if it has neither code nor an answer
-            self.void_turns += code is None and last_boxed(model_prose(text, spec.tags)) is None
-        if ended or truncated:
+        calls: list[Call] = []
+        if fmt.calls_at_turn_end:  # the calls come with the end of the assistant turn (its end-of-turn token)
+            if ended and not out.finished and out.token_ids[-1] == fmt.turn_end_id:
+                calls = fmt.calls(out.token_ids, prefix)
+        elif not ended and not truncated and (split := fmt.split(text)) is not None:
+            call_text, self.carry = split  # what the stop's last token carried belongs to the next turn
+            calls = fmt.calls(call_text)
+        if not truncated:  # a finished turn: void if it has neither a call nor an answer
+            self.void_turns += not calls and last_boxed(fmt.model_prose(text)) is None
+        room = spec.max_tool_calls - self.calls
+        if truncated or (ended and not (calls and room > 0)):
             self.done = True
-            return None
-        # A code-end tag without an open code block (or past the call limit) is plain text: the model continues.
-        return code if self.calls < spec.max_tool_calls else None
+            return []
+        # A stop without a call (or past the call limit) is plain text: the model continues. Calls of one turn past
+        # the limit are answered without running (the template needs a result for each) and are not counted.
+        skipped = Call(None, f"Error: not run: the limit of {spec.max_tool_calls} calls is reached.", counted=False)
+        return calls[:room] + [skipped] * len(calls[room:]) if room > 0 else []
 
-    def take_result(self, code: str, result: ExecResult, block_ids: list[int], spec: RolloutSpec) -> None:
-        """Records an executed cell and appends its interpreter block (mask 0)."""
-        self.cells.append(code)
-        self.code_lines += len([line for line in code.splitlines() if line.strip()])
-        self.errors += not result.ok
-        self.timeouts += bool(result.timed_out)
-        self.infra_errors += result.infra_error
+    def take_result(self, calls: list[Call], results: list[ExecResult], block_ids: list[int], spec: RolloutSpec):
+        """Records a turn's calls and their results, and appends the ids the results insert (mask 0)."""
+        for call, result in zip(calls, results, strict=True):
+            if not call.counted:
+                continue
+            self.calls += 1
+            self.errors += not result.ok
+            if call.code is not None:
+                self.code_lines += len([line for line in call.code.splitlines() if line.strip()])
+                self.timeouts += bool(result.timed_out)
+                self.infra_errors += result.infra_error
         room = self.budget(spec)
         self.append(block_ids[:room], 0, None)
-        # Out of budget inside (or right after) the interpreter block: the completion ends truncated.
+        # Out of budget inside (or right after) the inserted results: the completion ends truncated.
         self.done = len(block_ids) >= room
 
 
@@ -202,18 +230,24 @@ def interleaved_rollout(
             )
             turn_calls += 1
             texts = _decode(tokenizer, [out.token_ids for out in outputs])
-            pending: list[tuple[_Row, str]] = []
+            pending: list[tuple[_Row, list[Call]]] = []
             for i, out, text in zip(active, outputs, texts, strict=True):
+                if out.aborted:  # the engine gave the turn up: unscored (`infra_failed`), as in the async loop
+                    rows[i].infra_errors += 1
+                    rows[i].infra_failed = rows[i].done = True
+                    continue
                 have_logprobs &= out.logprobs is not None
-                code = rows[i].take_turn(out, text, spec, eos)
-                if code is not None:
-                    pending.append((rows[i], code))
+                calls = rows[i].take_turn(out, text, spec, eos)
+                if calls:
+                    pending.append((rows[i], calls))
             if pending:
-                results = run_cells(sandbox, pending)
-                blocks = interpreter_blocks(tokenizer, [result.output for result in results], spec)
-                for (row, code), result, block in zip(pending, results, blocks, strict=True):
-                    row.take_result(code, result, block, spec)
-                    exec_seconds.append(result.duration_s)
+                results = run_calls(sandbox, pending)
+                blocks = result_blocks(tokenizer, results, spec)
+                for (row, calls), row_results, block in zip(pending, results, blocks, strict=True):
+                    row.take_result(calls, row_results, block, spec)
+                    exec_seconds += [
+                        r.duration_s for r, c in zip(row_results, calls, strict=True) if c.code is not None
+                    ]
             for i in active:
                 if rows[i].done:
                     release_session(rows[i])
@@ -239,7 +273,8 @@ def rollout_result(
             row.append([spec.eos_token_ids[0]], 0, None)
     # Special tokens (EOS, padding) are dropped from the model's text, but not the tags, even where a tokenizer
     # registers them as special: reward functions must see where code blocks start and end.
-    tag_ids = {i for t in astuple(spec.tags) for i in tokenizer(t, add_special_tokens=False)["input_ids"]}
+    kept = spec.call_format.kept_texts
+    tag_ids = {i for t in kept for i in tokenizer(t, add_special_tokens=False)["input_ids"]}
     drop = set(tokenizer.all_special_ids) - tag_ids
     model_ids = [[t for t, m in zip(r.completion_ids, r.mask) if m and t not in drop] for r in rows]
     return RolloutResult(
@@ -268,24 +303,37 @@ def _decode(tokenizer, ids: list[list[int]]) -> list[str]:
 
 
 def interpreter_blocks(tokenizer, outputs: list[str], spec: RolloutSpec) -> list[list[int]]:
-    """Token ids of `interpreter_start + output + interpreter_end` for each raw sandbox output.
+    """The ids one raw sandbox output per row inserts (`result_blocks` with one call per row)."""
+    return result_blocks(tokenizer, [[ExecResult(output, True, False, 0.0)] for output in outputs], spec)
 
-    The output is cleaned first (valid text, tags defanged) and truncated to `max_interpreter_output_chars`, then
-    encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by code stays text and
-    never becomes a control token; the tags are encoded as the tokenizer defines them.
+
+def result_blocks(tokenizer, results: list[list[ExecResult]], spec: RolloutSpec) -> list[list[int]]:
+    """The ids each row's results insert, in the call format's own rendering (`interpreter_start` + output +
+    `interpreter_end`, an output fence, the template's tool messages).
+
+    Each output is cleaned first (valid text, the format's markers defanged, so printed text can neither close the
+    result early nor open a call) and truncated to `max_interpreter_output_chars`.
     """
-    if not outputs:  # never call the tokenizer on an empty batch
-        return []
-    tags = spec.tags
-    bodies = [
-        truncate_output(clean_output(output, tags), spec.max_interpreter_output_chars, spec.interpreter_truncation)
-        for output in outputs
+    fmt = spec.call_format
+    outputs = [
+        [
+            truncate_output(fmt.clean(result.output), spec.max_interpreter_output_chars, spec.interpreter_truncation)
+            for result in row
+        ]
+        for row in results
     ]
-    start, end = (
-        tokenizer(t, add_special_tokens=False)["input_ids"] for t in (tags.interpreter_start, tags.interpreter_end)
-    )
-    encoded = tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return [[*start, *body, *end] for body in encoded]
+    return fmt.result_ids(tokenizer, outputs) if outputs else []
+
+
+def run_calls(sandbox, pending: Sequence[tuple[_Row, list[Call]]]) -> list[list[ExecResult]]:
+    """Runs every row's calls of a turn: the rows' calls concurrently, one row's several calls in order in its
+    session. A call that did not parse is not run: its result is the error the model is shown."""
+    runnable = [(row, call.code) for row, calls in pending for call in calls if call.code is not None]
+    ran = iter(run_cells(sandbox, runnable))
+    return [
+        [next(ran) if call.code is not None else ExecResult(call.error or "", False, False, 0.0) for call in calls]
+        for _, calls in pending
+    ]
 
 
 def reserve_sessions(sandbox, n: int, spec: RolloutSpec) -> None:
@@ -317,7 +365,25 @@ def _run_many(sandbox, pairs) -> list[ExecResult]:
 
 
 def run_cells(sandbox, pending: Sequence[tuple[_Row, str]]) -> list[ExecResult]:
-    """Runs each row's new cell (concurrently, one `run_many`), in the row's session (opened on first use).
+    """Runs each row's new cells in the row's session (opened on first use): different rows' cells concurrently
+    (one `run_many`), a row's second cell after its first (rounds), so they run in order in one session.
+    """
+    results: list[ExecResult | None] = [None] * len(pending)
+    left = list(range(len(pending)))
+    while left:
+        taken, now, later = set(), [], []
+        for k in left:
+            (later if id(pending[k][0]) in taken else now).append(k)
+            taken.add(id(pending[k][0]))
+        for k, result in zip(now, _run_round(sandbox, [pending[k] for k in now]), strict=True):
+            results[k] = result
+            pending[k][0].cells.append(pending[k][1])  # replayed, with the cells before it, if the session is lost
+        left = later
+    return results
+
+
+def _run_round(sandbox, pending: Sequence[tuple[_Row, str]]) -> list[ExecResult]:
+    """Runs one cell per row (concurrently, one `run_many`), in the row's session (opened on first use).
 
     Infrastructure failures (worker lost, service down) are retried once; the snippet's own errors never are. The
     failed session may be broken for good, so the retry gets a fresh one with the row's earlier cells replayed. A

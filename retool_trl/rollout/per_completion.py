@@ -9,7 +9,7 @@ the turns ready at once go in one streamed HTTP request) and the colocated engin
 by request (`vllm_colocate.ColocateEngine`).
 
 The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, retries, reward kwargs) is the barrier
-loop's own (`_Row.take_turn`, `run_cells`, `interpreter_blocks`, `rollout_result`), so both modes give the same
+loop's own (`_Row.take_turn`, `run_calls`, `result_blocks`, `rollout_result`), so both modes give the same
 `RolloutResult` for the same tokens.
 """
 
@@ -27,11 +27,11 @@ from .batched import (
     RolloutResult,
     RolloutSpec,
     _Row,
-    interpreter_blocks,
     release_session,
     reserve_sessions,
+    result_blocks,
     rollout_result,
-    run_cells,
+    run_calls,
 )
 from .engines.vllm_server import CompletionsEngine, sampling_from_vllm
 from .turns import EngineError, EngineRequestError, EngineTimeoutError
@@ -111,13 +111,13 @@ async def _run_all(
                     return
                 have_logprobs[0] &= out.logprobs is not None
                 text = tokenizer.decode(out.token_ids, skip_special_tokens=False) if out.token_ids else ""
-                code = row.take_turn(out, text, spec, eos)
-                if code is None:
+                calls = row.take_turn(out, text, spec, eos)
+                if not calls:
                     continue
-                [result] = await loop.run_in_executor(cells, run_cells, sandbox, [(row, code)])
-                [block] = interpreter_blocks(tokenizer, [result.output], spec)
-                row.take_result(code, result, block, spec)
-                exec_seconds.append(result.duration_s)
+                [results] = await loop.run_in_executor(cells, run_calls, sandbox, [(row, calls)])
+                [block] = result_blocks(tokenizer, [results], spec)
+                row.take_result(calls, results, block, spec)
+                exec_seconds.extend(r.duration_s for r, c in zip(results, calls, strict=True) if c.code is not None)
             release_session(row)
 
     try:

@@ -37,17 +37,18 @@ def user_stop_ids(generation_kwargs: dict | None) -> frozenset[int]:
     return frozenset(int(i) for i in (generation_kwargs or {}).get("stop_token_ids") or [])
 
 
-def turn_stops(code_end: str, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
-    """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the code-end
-    tag while the completion may still call code."""
-    return [*stops, code_end] if stop_at_code_end else list(stops)
+def turn_stops(code_end: str | None, stops: Sequence[str], stop_at_code_end: bool) -> list[str]:
+    """The stop strings of one turn: the user's on every turn (they end the completion, as in TRL), and the call
+    format's stop (the code-end tag) while the completion may still call code; `None` where the call format has no
+    stop string (a turn's own end closes its calls)."""
+    return [*stops, code_end] if stop_at_code_end and code_end else list(stops)
 
 
 def finish_turn(
     token_ids: Sequence[int],
     logprobs: Sequence[float] | None,
     tokenizer,
-    code_end: str,
+    code_end: str | None,
     stops: Sequence[str],
     stop_at_code_end: bool,
     max_tokens: int,
@@ -70,7 +71,7 @@ def finish_turn(
         )
     ids = ids[:max_tokens]
     end, finished = None, False
-    if stop_at_code_end:
+    if stop_at_code_end and code_end:
         end = first_stop(ids, tokenizer, code_end)
     for stop in stops:  # a stop string completed at or before the code-end tag's token ends the completion
         cut = first_stop(ids if end is None else ids[:end], tokenizer, stop)
@@ -86,6 +87,31 @@ def finish_turn(
     return TurnOutput(ids, kept, finished)
 
 
+def fitting_parts(lengths: Sequence[int], budgets: Sequence[int], limit: int | None) -> list[list[int]]:
+    """Indices of turns (`lengths[i]` prompt tokens, `budgets[i]` tokens to generate) split into requests whose one
+    `max_tokens`, the largest budget of the request, fits every prompt of it (vLLM checks prompt + `max_tokens` <=
+    `max_model_len` for each prompt and refuses the whole request otherwise).
+
+    The largest budget left sets a request's `max_tokens`, and every turn whose context has room for it goes beside
+    it (it decodes past its own budget and is cut there): with a limit sized as TRL advises (longest prompt +
+    completion), a turn's own budget always fits its context, so most turns fit beside the first and a batch needs a
+    few requests, not one per distinct budget. A turn that fits nowhere is sent alone: the server says why.
+    """
+    left = sorted(range(len(lengths)), key=lambda i: -budgets[i])
+    if not limit:
+        return [sorted(left)] if left else []
+    parts = []
+    while left:
+        budget = budgets[left[0]]
+        part = [i for i in left if lengths[i] + budget <= limit]
+        if left[0] not in part:  # its own budget passes its context: alone
+            part = [left[0]]
+        parts.append(sorted(part))
+        taken = set(part)
+        left = [i for i in left if i not in taken]
+    return parts
+
+
 def _logprob(value) -> float:
     # TRL's client turns a NaN log-prob into `None` (JSON has no NaN); its trainer reads `None` as NaN and keeps such
     # tokens out of the importance-sampling correction. The same here: NaN, never an exception mid-rollout.
@@ -97,6 +123,7 @@ __all__ = [
     "EngineRequestError",
     "EngineTimeoutError",
     "finish_turn",
+    "fitting_parts",
     "turn_stops",
     "user_stop_ids",
     "user_stops",

@@ -14,12 +14,14 @@ class TurnOutput:
     `token_ids` stop after the token that completes the code-end tag (when stopping there was requested), after
     an EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend
     has them. `finished` is set when the turn ended at one of the user's stop strings (`generation_kwargs["stop"]`):
-    the completion ends there, as at EOS.
+    the completion ends there, as at EOS. `aborted` is set when the engine gave the turn up (vLLM's `finish_reason`
+    "abort"): the turn did not end, and the completion is an engine failure, not the model's.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     finished: bool = False
+    aborted: bool = False
 
 
 class GenerationBackend(Protocol):

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import re
 import signal
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ExecResult", "Sandbox", "Session", "truncate_output", "cut_output", "refusal", "check_pairs"]
+__all__ = [
+    "ExecResult",
+    "FAILURE_KINDS",
+    "Sandbox",
+    "Session",
+    "truncate_output",
+    "cut_output",
+    "refusal",
+    "check_pairs",
+    "failure_kind",
+    "failures_by_kind",
+]
 
 _SIDES = ("head", "tail", "middle")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -225,3 +237,29 @@ _SIGNAL_TEXT = {
 def signal_death_line(sig: int) -> str:
     """The line that ends the output of a cell whose interpreter died from signal `sig` (both backends say it)."""
     return _SIGNAL_TEXT.get(sig, f"SystemError: the interpreter process died from signal {sig}")
+
+
+# Why a call failed, in four kinds a user acts on differently: the cell's own error, its own timeout (both the model's
+# doing, and scored), waiting for the sandbox (a jail not set up in time, a service that said "come back later" or
+# did not answer in time) and the sandbox's own failure (a lost interpreter, a service error); the last two are
+# `infra_error`. Told apart by the result alone, so every backend is classified the same way.
+FAILURE_KINDS = ("cell_error", "cell_timeout", "sandbox_wait", "sandbox_failure")
+_WAITING = re.compile(
+    r"within \d[\d.]* s|HTTP (429|503)|ReadTimeout|ConnectTimeout|PoolTimeout|timed out|Retry-After|retries",
+    re.IGNORECASE,
+)
+
+
+def failure_kind(result: ExecResult) -> str | None:
+    """The kind of a failed call (one of `FAILURE_KINDS`), or `None` when the call succeeded."""
+    if result.infra_error:
+        return "sandbox_wait" if _WAITING.search(result.output) else "sandbox_failure"
+    if result.ok:
+        return None
+    return "cell_timeout" if result.timed_out else "cell_error"
+
+
+def failures_by_kind(results: Iterable[ExecResult]) -> dict[str, int]:
+    """How many of `results` failed, per kind (every kind present, zeros included)."""
+    counts = Counter(failure_kind(result) for result in results)
+    return {kind: counts.get(kind, 0) for kind in FAILURE_KINDS}

@@ -72,4 +72,13 @@ def rollout_metrics(result: RolloutResult, gather, device: torch.device | str | 
     if num_exec.sum() > 0:
         metrics["retool/sandbox_latency_ms_mean"] = (latency_sum.sum() / num_exec.sum()).item() * 1000
         metrics["retool/sandbox_latency_ms_max"] = latency_max.max().item() * 1000
+    # Every process's snippets, padded to the longest list (a collective call: every process makes it).
+    longest = int(num_exec.max().item()) if len(num_exec) else 0
+    padded = torch.full((1, max(longest, 1)), float("nan"), dtype=torch.float64, device=device)
+    padded[0, : len(exec_s)] = torch.tensor(exec_s, dtype=torch.float64)
+    everyone = gather(padded).cpu().flatten()
+    everyone = everyone[~everyone.isnan()]
+    if len(everyone):
+        metrics["retool/sandbox_latency_ms_p50"] = everyone.quantile(0.5).item() * 1000
+        metrics["retool/sandbox_latency_ms_p99"] = everyone.quantile(0.99).item() * 1000
     return metrics

@@ -9,10 +9,15 @@ So, around each rollout ([`SandboxHealth.step`]):
 
 - before the first rollout that may run code, one trivial cell is run; if the sandbox cannot run it (it refuses to
   start, its zygote dies, the service is down), the run stops before generating anything;
-- a rollout in which *every* call the sandbox answered was an infrastructure error stops the run (the first retry
-  with a fresh session included); a rollout in which only some were goes on, with a warning naming the sandbox's
-  reason when more than half of its calls (retries included) failed. One rollout where every call failed is never
-  the model's doing and never a blip of one session: its calls are spread over many sessions, each retried once.
+- a rollout in which *every* call the sandbox answered was an infrastructure error (the first retry with a fresh
+  session included) stops the run when the trivial cell then fails too: a dead sandbox fails both, while a rollout
+  that made a call or two caught in a short burst of refusals (HTTP 429) finds the sandbox working again and goes
+  on, with a warning; a rollout in which only some calls failed goes on, with a warning naming the sandbox's reason
+  when more than half of its calls (retries included) failed.
+
+The probe, like the rollout, tries a fresh session after a failure: with several servers (`sandbox_url` a list), as
+many sessions as there are servers, each placed away from the servers found down, so one server down does not stop
+the run while the others answer.
 
 Either stop is a [`SandboxUnavailableError`] (a `UserError`: the command line prints it as one line, exit status 2)
 whose message carries the sandbox's reason in full, with its fix.
@@ -31,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # The cell run before the first rollout: it cannot fail on its own (and fits any `max_cell_chars`).
 PROBE_CODE = "1"
+
+# An infrastructure error whose message is empty still has a reason to give.
+NO_MESSAGE = "an infrastructure error without a message"
 
 
 class SandboxUnavailableError(UserError):
@@ -53,7 +61,7 @@ class WatchedSandbox(SandboxWrapper):
         except Exception as exc:
             self.health.record(len(pairs), len(pairs), f"{type(exc).__name__}: {exc}")
             raise
-        failed = [result.output for result in results if result.infra_error]
+        failed = [result.output or NO_MESSAGE for result in results if result.infra_error]
         self.health.record(len(results), len(failed), failed[0] if failed else None)
         return results
 
@@ -123,8 +131,16 @@ class SandboxHealth:
         with self._lock:
             calls, failed, reason = self.calls, self.failed, self.reason
         all_failed = uses_code and calls > 0 and failed == calls
+        if all_failed and probe(sandbox.sandbox if isinstance(sandbox, WatchedSandbox) else sandbox) is None:
+            all_failed = False  # the sandbox runs code again: the failures were a passing burst, not an outage
+            logger.warning(
+                "all %d sandbox calls of a rollout failed for the sandbox's own reasons, but it runs code again; "
+                "the sandbox said: %s",
+                calls,
+                reason or NO_MESSAGE,
+            )
         _stop_if_any(
-            reason if all_failed else None,
+            (reason or NO_MESSAGE) if all_failed else None,
             accelerator,
             f"all {calls} sandbox calls of a rollout (retries included) failed for the sandbox's own reasons "
             f"(infrastructure errors, not the model's code), so {self.what} stops rather than go on without an "
@@ -143,7 +159,19 @@ class SandboxHealth:
 
 
 def probe(sandbox) -> str | None:
-    """Runs one trivial cell in a fresh session of `sandbox`: None when it ran, else the sandbox's reason."""
+    """Runs one trivial cell in a fresh session of `sandbox`: None when it ran, else the sandbox's reason.
+
+    A failure is tried again in another fresh session, as the rollout retries a call: once, or as many times as the
+    sandbox has servers (a remote one places each new session away from the servers that just failed)."""
+    problem = None
+    for _ in range(max(2, len(getattr(sandbox, "urls", None) or ()))):
+        problem = _probe_once(sandbox)
+        if problem is None:
+            return None
+    return problem
+
+
+def _probe_once(sandbox) -> str | None:
     session = None
     try:
         session = sandbox.session()
@@ -154,7 +182,7 @@ def probe(sandbox) -> str | None:
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
-    return (result.output or "an infrastructure error without a message") if result.infra_error else None
+    return (result.output or NO_MESSAGE) if result.infra_error else None
 
 
 def _stop_if_any(problem: str | None, accelerator, what: str) -> None:

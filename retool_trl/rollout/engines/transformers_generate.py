@@ -65,7 +65,7 @@ class TransformersBackend:
         model: The (unwrapped) causal LM.
         tokenizer: Its tokenizer (for padding and the stop-string tables).
         generation_config: Sampling settings, e.g. TRL's `trainer.generation_config`.
-        code_end: The code-end tag.
+        code_end: The string a call ends at (`call_stop`); `None` where a turn's own end closes its calls.
         eos_token_ids: Token ids that end a completion.
         logits_processor (*optional*): Extra `LogitsProcessorList` for `generate` (constrained decoding, tests), or
             a callable returning a fresh one for each turn (for stateful processors).
@@ -77,7 +77,7 @@ class TransformersBackend:
         model,
         tokenizer,
         generation_config: GenerationConfig,
-        code_end: str,
+        code_end: str | None,
         eos_token_ids,
         logits_processor=None,
         reuse_cache: bool = True,
@@ -91,7 +91,9 @@ class TransformersBackend:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         # Built once: transformers precomputes vocabulary tables for the stop string.
-        self.code_end_criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=[code_end])
+        self.code_end_criterion = (
+            StopStringCriteria(tokenizer=tokenizer, stop_strings=[code_end]) if code_end else None
+        )
         self.finish()
 
     def finish(self) -> None:
@@ -181,7 +183,7 @@ class TransformersBackend:
         input_ids, attention_mask, cache = self._batch(sequences, device)
         width = input_ids.shape[1]
         stopper = _TurnStopper(
-            self.code_end_criterion if any(stop_at_code_end) else None,
+            self.code_end_criterion if any(stop_at_code_end) and self.code_end_criterion else None,
             width,
             list(max_new_tokens),
             list(stop_at_code_end),

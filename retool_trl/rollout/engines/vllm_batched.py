@@ -11,14 +11,19 @@ CPU platform, whose linear layers are repacked after loading and no longer accep
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ...format.parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
-from ..turns import finish_turn, turn_stops, user_stop_ids, user_stops
+from ..turns import finish_turn, fitting_parts, turn_stops, user_stop_ids, user_stops
 from ..types import TurnOutput
 from .vllm_colocate import sleep_after_rollout, wake_for_rollout
+
+# Requests of one turn in flight at once from the main process (TRL's client sends up to 64 per-prompt requests).
+_MAX_CONCURRENT_REQUESTS = 64
 
 
 class VLLMBackend:
@@ -60,15 +65,32 @@ class VLLMBackend:
                 or getattr(vllm_generation, "tensor_parallel_size", 1) > 1
             )
         )
+        # A colocated tensor-parallel engine's calls are collective within its group only (TRL gathers the prompts
+        # there), so the group agrees on its own and stops when its own rows are done; with PEFT, TRL also puts a
+        # barrier on every process in each call, and then the whole world agrees.
+        self._tp_group = None
+        if self.collective and getattr(vllm_generation, "mode", "colocate") == "colocate":
+            if not hasattr(getattr(vllm_generation, "model", None), "peft_config"):
+                self._tp_group = getattr(vllm_generation, "tp_group", None)
         self.engine_calls = 0  # helper.generate calls of this backend (the rollout reports them per rollout)
         self._sleep_paused = False
 
     def any_active(self, has_active: bool) -> bool:
-        """Whether any process still has sequences to continue (the rollout loops while this holds)."""
+        """Whether any process that shares this one's engine calls still has sequences to continue (the rollout
+        loops while this holds)."""
         if not self.collective:
             return has_active
         flag = torch.tensor([int(has_active)], device=self.accelerator.device)
-        return bool(self.accelerator.gather(flag).max().item())
+        return bool(self._gather(flag).max().item())
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` of every process that shares the engine calls (the tensor-parallel group, or every process),
+        concatenated in process order."""
+        if self._tp_group is None:
+            return self.accelerator.gather(tensor)
+        parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(self._tp_group))]
+        torch.distributed.all_gather(parts, tensor, group=self._tp_group)
+        return torch.cat(parts)
 
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end) -> list[TurnOutput]:
         groups = {stop: [i for i, s in enumerate(stop_at_code_end) if bool(s) == stop] for stop in (True, False)}
@@ -76,10 +98,11 @@ class VLLMBackend:
         counts = None
         if self.collective:  # every process makes the same calls with the same sizes (the largest of each group)
             local = torch.tensor([*plan[True], *plan[False]], device=self.accelerator.device)
-            every = self.accelerator.gather(local).view(-1, 4)
+            every = self._gather(local).view(-1, 4)
             agreed = every.max(dim=0).values.tolist()
             plan = {True: (int(agreed[0]), int(agreed[1])), False: (int(agreed[2]), int(agreed[3]))}
             counts = {True: every[:, 0].tolist(), False: every[:, 2].tolist()}  # real rows of each process
+        budgets = self._row_budgets(groups, plan, max_new_tokens)
         stops = user_stops(self.vllm_generation.generation_kwargs)
         stop_ids = user_stop_ids(self.vllm_generation.generation_kwargs)
         outputs: list[TurnOutput | None] = [None] * len(sequences)
@@ -89,13 +112,19 @@ class VLLMBackend:
                 continue
             rows = groups[stop]
             # Padding rows (other processes have more sequences in this group) are dropped; in server mode they are
-            # not even sent (see `_without_padding`).
+            # not even sent (see `_server_requests`).
             prompts = [list(sequences[i]) for i in rows] + [[self.tokenizer.eos_token_id]] * (total - len(rows))
-            with self._server_requests(counts[stop] if counts else None, total):
-                completion_ids, logprobs = self._call(
+            with (
+                self._server_requests(counts[stop] if counts else None, total, budgets.get(stop)),
+                self._short_padding(counts[stop] if counts else None, total),
+            ):
+                echoed, completion_ids, logprobs = self._call(
                     prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
                 )
             for k, i in enumerate(rows):
+                if echoed is not None and echoed[k] is None:  # the server aborted this row's request
+                    outputs[i] = TurnOutput([], [], aborted=True)
+                    continue
                 # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
                 lps = [lp[0] for lp in logprobs[k]] if logprobs is not None else None
                 outputs[i] = finish_turn(
@@ -104,48 +133,131 @@ class VLLMBackend:
         return outputs
 
     @contextlib.contextmanager
-    def _server_requests(self, counts: list[int] | None, total: int):
-        """In server mode, the main process sends only real rows, each with a token budget that fits its context.
+    def _short_padding(self, counts: list[int] | None, total: int):
+        """With a colocated tensor-parallel engine, padding rows (another process of the group has more rows) are
+        decoded for one token, not up to the group's budget: TRL's helper sends the group's prompts to `llm.generate`
+        with one `SamplingParams`; around the call, the padding prompts get a copy limited to one token."""
+        helper = self.vllm_generation
+        tp, llm = getattr(helper, "tensor_parallel_size", 1), getattr(helper, "llm", None)
+        if counts is None or tp <= 1 or llm is None or getattr(helper, "mode", "colocate") != "colocate":
+            yield
+            return
+        if self._tp_group is None:  # counts of every process: this group's members are `tp` consecutive ones
+            first = self.accelerator.process_index // tp * tp
+            counts = counts[first : first + tp]
+        padding = {member * total + k for member, count in enumerate(counts) for k in range(int(count), total)}
+        generate, own = llm.generate, vars(llm).get("generate")
+
+        def short_padding(prompts, sampling_params=None, *args, **kwargs):
+            if padding and hasattr(sampling_params, "clone") and len(prompts) == tp * total:
+                short = sampling_params.clone()
+                short.max_tokens = 1
+                sampling_params = [short if j in padding else sampling_params for j in range(len(prompts))]
+            return generate(prompts, sampling_params, *args, **kwargs)
+
+        llm.generate = short_padding
+        try:
+            yield
+        finally:
+            if own is None:
+                vars(llm).pop("generate", None)
+            else:
+                llm.generate = own
+
+    def _row_budgets(self, groups, plan, max_new_tokens) -> dict[bool, list[int]]:
+        """In server mode with a context limit, each row's own token budget, as the main process sees the rows of
+        every process (`total` slots per process and stop setting, 0 for padding): the requests are cut by budget
+        (`fitting_parts`), and the budget a row's context allows (`limit - length`) is not its own budget: with a
+        limit sized as TRL advises, it differs for every row, and each row would go in a request of its own.
+
+        A collective call in server mode with several processes, made by every process whatever it knows: only the
+        main process has TRL's client, and each asks the server for its limit on its own."""
+        if getattr(self.vllm_generation, "mode", None) != "server" or not (self.max_model_len or self.collective):
+            return {}
+        slots = {stop: [max_new_tokens[i] for i in groups[stop]] for stop in (True, False)}
+        slots = {stop: values + [0] * (plan[stop][0] - len(values)) for stop, values in slots.items()}
+        if not self.collective:
+            return slots
+        local = torch.tensor(slots[True] + slots[False], dtype=torch.long, device=self.accelerator.device)
+        every = self.accelerator.gather(local).view(self.accelerator.num_processes, -1).tolist()
+        width = plan[True][0]
+        return {True: [b for row in every for b in row[:width]], False: [b for row in every for b in row[width:]]}
+
+    def _server_client(self):
+        """TRL's `VLLMClient` in server mode (the main process's; `None` elsewhere and in colocate mode)."""
+        if getattr(self.vllm_generation, "mode", None) != "server":
+            return None
+        return getattr(self.vllm_generation, "vllm_client", None)
+
+    @contextlib.contextmanager
+    def _server_requests(self, counts: list[int] | None, total: int, budgets: list[int] | None = None):
+        """In server mode, the main process sends only real rows, in concurrent requests whose budget fits them.
 
         TRL's helper gathers `total` prompts from every process and sends them in one request with one token budget
         (the group's largest). A padding row (other processes have more rows) would make the shared server decode up
         to that budget for nothing, and a row whose context leaves less room than that budget makes vLLM refuse the
-        whole request. Around the call, the main process's client sends only the real rows, split into requests
-        whose budget fits every prompt of each, and answers the padding rows with an empty completion, which their
-        process drops; TRL's gathering, slicing and sampling settings stay as they are.
+        whole request. Around the call, the main process's client sends only the real rows, split as the async
+        engine splits its turns (`fitting_parts`, by each row's own budget `budgets`), the requests at once from
+        threads (as TRL's client sends its per-prompt requests), and answers the padding rows with an empty
+        completion, which their process drops. A row whose request vLLM aborted (`finish_reason` "abort": a weight
+        update in pause mode, a restart) is echoed with `None` for its prompt ids, which TRL's helper hands back to
+        every process as it is. TRL's gathering, slicing and sampling settings stay as they are.
         """
-        client = getattr(self.vllm_generation, "vllm_client", None)
-        if client is None or getattr(self.vllm_generation, "mode", None) != "server":
+        client = self._server_client()
+        if client is None:
             yield
             return
         counts = counts if counts is not None else [total]
         real = [rank * total + k for rank, count in enumerate(counts) for k in range(int(count))]
         send, own = client.generate, vars(client).get("generate")
-        limit = self.max_model_len
+        post, own_post = getattr(client, "_post", None), vars(client).get("_post")
+        limit, reasons = self.max_model_len, threading.local()
+
+        def post_recording(url, **kwargs):
+            reply = post(url, **kwargs)
+            reasons.value = [choice.get("finish_reason") for choice in reply.get("choices") or []]
+            return reply
 
         def generate(prompts, max_tokens=16, **kwargs):
             full = {"prompt_ids": [list(p) for p in prompts]}
-            for part, budget in _fitting_requests([(j, len(prompts[j])) for j in real], max_tokens, limit):
+            # Each real row's own budget (the rows of every process, from `_row_budgets`); the group's without one.
+            wanted = {j: max(1, min(max_tokens, budgets[j])) if budgets else max_tokens for j in real}
+            parts = fitting_parts([len(prompts[j]) for j in real], [wanted[j] for j in real], limit)
+            parts = [[real[k] for k in part] for part in parts]
+
+            def request(part):
                 sent = dict(kwargs)
                 if isinstance(sent.get("features"), list):  # per-prompt features travel with their prompts
                     sent["features"] = [kwargs["features"][j] for j in part]
-                reply = send(prompts=[prompts[j] for j in part], max_tokens=budget, **sent)
+                reasons.value = None
+                reply = send(prompts=[prompts[j] for j in part], max_tokens=max(wanted[j] for j in part), **sent)
+                return reply, reasons.value
+
+            with ThreadPoolExecutor(max_workers=max(1, min(len(parts), _MAX_CONCURRENT_REQUESTS))) as pool:
+                replies = list(pool.map(request, parts))
+            for part, (reply, finish_reasons) in zip(parts, replies, strict=True):
                 for key in ("completion_ids", "logprobs", "logprob_token_ids"):
                     if reply.get(key) is None:
                         continue
                     values = full.setdefault(key, [[] for _ in prompts])
                     for j, value in zip(part, reply[key], strict=True):
                         values[j] = value
+                for j, reason in zip(part, finish_reasons or [], strict=False):
+                    if reason == "abort":
+                        full["prompt_ids"][j] = None
             return full
 
         client.generate = generate
+        if post is not None:  # TRL's client posts every request through `_post`: the finish reasons are read there
+            client._post = post_recording
         try:
             yield
         finally:
-            if own is None:
-                del client.generate  # the class's method again
-            else:
-                client.generate = own
+            for name, value in (("generate", own), ("_post", own_post)):
+                if value is None:
+                    vars(client).pop(name, None)  # the class's method again
+                else:
+                    setattr(client, name, value)
 
     def _call(self, prompts: list[list[int]], max_tokens: int, stops: list[str]):
         """One `helper.generate` call with this group's token budget and stop strings (restored afterwards)."""
@@ -159,12 +271,12 @@ class VLLMBackend:
         helper.max_completion_length, helper.generation_kwargs = max_tokens, kwargs
         self.engine_calls += 1
         try:
-            _, completion_ids, logprobs, _ = helper.generate(
+            prompt_ids, completion_ids, logprobs, _ = helper.generate(
                 prompts=prompts, images=None, num_generations=1, profiler=self.profiler() if self.profiler else None
             )
         finally:
             helper.max_completion_length, helper.generation_kwargs = saved
-        return completion_ids, logprobs
+        return prompt_ids, completion_ids, logprobs
 
     def _keep_awake(self) -> None:
         # With sleep mode, TRL's helper sleeps (and later re-syncs all weights) after every call; a rollout makes a
@@ -176,21 +288,6 @@ class VLLMBackend:
         if self._sleep_paused:
             sleep_after_rollout(self.vllm_generation)
             self._sleep_paused = False
-
-
-def _fitting_requests(rows: list[tuple[int, int]], max_tokens: int, limit: int | None):
-    """`(row indices, max_tokens)` of each request for `rows` (`(index, prompt length)`): every prompt gets the most
-    of `max_tokens` its context leaves (`limit - length`), and a request's one budget fits all its prompts."""
-    if not limit:
-        return [([j for j, _ in rows], max_tokens)] if rows else []
-    budgets = {j: max(1, min(max_tokens, limit - length)) for j, length in rows}
-    requests, left = [], sorted(budgets, key=lambda j: -budgets[j])
-    while left:
-        budget = budgets[left[0]]
-        part = [j for j in left if budgets[j] >= budget]
-        requests.append((sorted(part), budget))
-        left = [j for j in left if budgets[j] < budget]
-    return requests
 
 
 def use_reload_weights_on_cpu(vllm_generation) -> bool:

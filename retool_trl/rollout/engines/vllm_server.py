@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ...format.choice import call_stop
 from ..turns import (
     EngineError,
     EngineRequestError,
     EngineTimeoutError,
     finish_turn,
+    fitting_parts,
     turn_stops,
     user_stop_ids,
     user_stops,
@@ -217,17 +219,9 @@ class CompletionsEngine:
 
     def _fitting(self, turns: list[_Turn]) -> list[list[_Turn]]:
         """`turns` split into requests whose one `max_tokens` (their largest budget) fits every prompt's context
-        (vLLM checks prompt + `max_tokens` <= `max_model_len` for each prompt and refuses the whole request)."""
-        if not self.max_model_len:
-            return [turns]
-        parts, left = [], sorted(turns, key=lambda turn: turn.max_tokens, reverse=True)
-        while left:
-            budget = left[0].max_tokens
-            fits = [turn for turn in left if len(turn.prompt) + budget <= self.max_model_len]
-            part = fits if left[0] in fits else [left[0]]  # one that fits nowhere is sent alone: the server says why
-            parts.append(part)
-            left = [turn for turn in left if turn not in part]
-        return parts
+        (`fitting_parts`)."""
+        parts = fitting_parts([len(t.prompt) for t in turns], [t.max_tokens for t in turns], self.max_model_len)
+        return [[turns[i] for i in part] for part in parts]
 
     async def _stream(self, turns: list[_Turn], opened: asyncio.Future) -> None:
         """One streamed request for `turns`; each turn's future resolves when its choice finishes."""
@@ -412,7 +406,7 @@ def server_engine_from_config(
     return CompletionsEngine(
         base_url,
         tokenizer,
-        args.code_end,
+        call_stop(args),
         sampling=sampling_from_vllm(vllm_generation),
         timeout_s=args.vllm_request_timeout_s,
         max_connections=args.rollout_concurrency,

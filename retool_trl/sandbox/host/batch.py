@@ -58,6 +58,15 @@ class BatchHost(Protocol):
     ) -> ExecResult: ...
 
 
+class CallObserver(Protocol):
+    """Told, for each dispatched call, the seconds it waited before it started (for a CPU slot, for its jail), the
+    part of that wait its fresh jail took to start (0 for a session that had one), and its latency as its caller saw
+    it (wait and execution). Set as the sandbox's `call_observer` (the trainer's stage timings do); `None` by default,
+    which costs nothing."""
+
+    def __call__(self, wait_s: float, jail_s: float, latency_s: float) -> None: ...
+
+
 class _Running:
     """A dispatched cell."""
 
@@ -146,6 +155,12 @@ class Batch:
         self.selector = selectors.DefaultSelector()
         self.output_limit = 4 * sandbox.max_output_chars
         self.budget_check_at = time.monotonic() + CPU_TICK_S
+        # Who is told how long each call waited (see `CallObserver`); when each session's next cell became ready to
+        # run, when its fresh jail was asked for, and each dispatched call's wait.
+        self.observer: CallObserver | None = getattr(sandbox, "call_observer", None)
+        self.ready_at = dict.fromkeys(self.queues, time.monotonic()) if self.observer else {}
+        self.jail_asked_at: dict[object, float] = {}
+        self.waited: dict[object, tuple[float, float]] = {}
 
     def run(self) -> list[ExecResult]:
         try:
@@ -282,6 +297,9 @@ class Batch:
         """Gives the admitted sessions that have none a jail (one round trip to the zygote), then sends each its
         cell."""
         fresh = [s for s in batch if s._proc is None]
+        if self.observer and fresh:
+            asked = time.monotonic()
+            self.jail_asked_at.update((session, asked) for session in fresh)
         errors = dict(zip(fresh, self.sandbox.open_jails(fresh))) if fresh else {}
         for session in batch:
             index = self.queues[session][0]
@@ -331,6 +349,10 @@ class Batch:
         problem = proc.begin({"code": self.pairs[index][1]}, setup_wait_s)
         entry.start(self.sandbox.timeout_s)  # once its request is on the way: a fresh jail may first finish setting up
         self.sandbox.in_flight.add(entry)
+        if self.observer:
+            asked = self.jail_asked_at.pop(session, None)
+            jail_s = entry.started - asked if asked is not None else 0.0
+            self.waited[session] = (entry.started - self.ready_at.get(session, entry.started), jail_s)
         if problem == "ran while parked":
             why = "the session ran code between calls (a signal the cell arranged resumed it while it was parked)"
             self._finish(entry, self.sandbox.result_of_crash, 0.0, why)
@@ -389,7 +411,21 @@ class Batch:
             self.results[entry.index] = settle(entry.session, *args)
         finally:
             entry.session._in_use.release()
+        if self.observer:
+            self._observe(entry.session)
         self._advance(entry.session)
+
+    def _observe(self, session) -> None:
+        """Tells the observer how long the call that just settled waited before it started, how much of that was
+        its fresh jail starting, and how long it took in all as its caller saw it."""
+        now = time.monotonic()
+        wait_s, jail_s = self.waited.pop(session, (0.0, 0.0))
+        latency_s = now - self.ready_at.get(session, now)
+        self.ready_at[session] = now  # the session's next cell is ready once this one has settled
+        try:
+            self.observer(wait_s, jail_s, latency_s)
+        except Exception:  # noqa: BLE001 - a timing hook must never settle a call differently
+            logger.warning("sandbox: the call observer failed", exc_info=True)
 
     # ------------------------------------------------------------------------------------------------- events
 

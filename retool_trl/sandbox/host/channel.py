@@ -23,6 +23,7 @@ import termios
 import threading
 import time
 
+from ..isolation import fsuid
 from ..jail.wire import CREDS, frame, take_frames
 from .parking import FREEZE_AFTER_S, ParkedFreeze, freeze_later
 from .sweep import JailSweep, stat_fields
@@ -34,11 +35,9 @@ _HELLO_FDS = 3  # request pipe (write end), status pipe (read end), output memfd
 _MAX_STATUS = 1 << 20
 # The interpreter writes one status frame per call; a cell that writes more than this many (or this many bytes)
 # floods the channel, and its call ends as its own failure: the trainer reads and parses no more of it.
-_STATUS_FLOOD_FRAMES = 64
-_STATUS_FLOOD_BYTES = 4 * _MAX_STATUS
+_STATUS_FLOOD_FRAMES, _STATUS_FLOOD_BYTES = 64, 4 * _MAX_STATUS
 STATUS_FLOOD = "status flood"
-_IDLE_SP_SLACK = 256  # bytes: see `_at_idle_point`
-_IDLE_PC_SLACK = 256
+_IDLE_SP_SLACK = _IDLE_PC_SLACK = 256  # bytes: see `_at_idle_point`
 _FDS_LOCK = threading.Lock()  # opening a session's /proc and cgroup files, against closing them (see _proc_fd)
 _kept_files = [0]  # /proc and cgroup files kept open by all sessions (see `release_files`); a close estimate
 SETUP_WAIT_S = 30.0  # how long a fresh jail may take to reach its wait for requests (a loaded machine)
@@ -54,7 +53,7 @@ def pid_of_pidfd(fd: int) -> int | None:
         pid = None
     finally:
         os.close(fd)
-    return pid if pid is not None and pid > 0 else None
+    return pid if pid and pid > 0 else None
 
 
 class SessionProcess(JailSweep, ParkedFreeze):
@@ -93,6 +92,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         "cgroups",
         "cpu_start",
         "setup_problem",
+        "watch_uid",
         "__weakref__",
     )
 
@@ -120,9 +120,9 @@ class SessionProcess(JailSweep, ParkedFreeze):
         # A call, kill or close moves the ticket on, cancelling a freeze still waiting (parking.py), under the lock.
         self.park_lock, self.park_ticket = threading.Lock(), 0
         self.long_parked = True  # its call came long after the last one (see `settle`), or it is its first
-        self.parked_at: float | None = None
-        self.parked_cpu: float | None = None  # its own CPU seconds when it was parked (see `begin`)
+        self.parked_at = self.parked_cpu = None  # when it was parked, and its own CPU seconds then (see `begin`)
         self.setup_problem: str | None = None  # why `begin` said "not set up", where it knows
+        self.watch_uid: int | None = None  # its own uid, where only that uid may read its syscall (fsuid.py)
 
     @classmethod
     def from_hello(cls, sock: socket.socket, timeout_s: float = 10.0) -> SessionProcess:
@@ -164,6 +164,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
         proc.socket_buffer = buffer
         cgroups = hello[0].get("cgroups")
         proc.cgroups = {str(k): str(v) for k, v in cgroups.items()} if isinstance(cgroups, dict) else {}
+        proc.watch_uid = int(hello[0]["uid"]) if hello[0].get("uid") and fsuid.needed() else None
         return proc
 
     # --------------------------------------------------------------------------------------------------- calls
@@ -286,7 +287,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
     def _waiting_point(self) -> tuple[int, int] | None:
         """(stack pointer, instruction pointer) of a `read` of fd 3 the process is blocked in, else None."""
         try:
-            fields = os.pread(self._proc_fd("syscall"), 256, 0).split()
+            fields = fsuid.pread_as(self.watch_uid, self._proc_fd("syscall"), 256).split()
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a jail still setting up: waiting would not help
                 self.setup_problem = f"the trainer is out of descriptors ({exc.strerror}): raise its open-file limit"

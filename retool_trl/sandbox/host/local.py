@@ -19,10 +19,11 @@ from ..isolation import (
     Launch,
     can_drop_privileges,
     choose_level,
+    isolation_summary,
     needed_under_temp,
-    seccomp_program,
     warn_once,
 )
+from ..isolation.fsuid import needed as fsuid_needed
 from .batch import Batch, InFlight
 from .cgroups import SandboxCgroups
 from .channel import SessionProcess
@@ -140,6 +141,7 @@ class LocalSandbox(CallResults):
     """
 
     reserve_idle_s = 60.0  # jails reserved beyond `spares` are released once none was taken for this long
+    call_observer = None  # told each call's wait and latency when set (`host.batch.CallObserver`)
 
     def __init__(
         self,
@@ -208,14 +210,14 @@ class LocalSandbox(CallResults):
         report = {
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
-            "network_isolated": zygote.network_isolated,
+            "network_isolated": zygote.network_isolated or self._launch.ip_sockets_refused,  # Landlock: no IP socket
             "private_filesystem": self.isolation_used == "bwrap",
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
             "pids_cgroup": "pids" in kinds,
             "freezer_cgroup": bool(kinds & {"freezer", "v2"}),
             "cpu_cgroup": "cpu" in kinds,
-            "seccomp": seccomp_program(self._launch.socket_families)[0] is not None,
+            "seccomp": self._launch.seccomp()[0] is not None,
             "landlock": self._launch.landlock is not None,
             "landlock_abi": int((self._launch.landlock or {}).get("abi", 0)),
             # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
@@ -234,9 +236,8 @@ class LocalSandbox(CallResults):
         ):
             missing.append("network isolation")
         if not report["seccomp"]:
-            missing.append(f"seccomp filter: {seccomp_program(self._launch.socket_families)[1]}")
-        report["missing"] = missing
-        return report
+            missing.append(f"seccomp filter: {self._launch.seccomp()[1]}")
+        return {**report, "missing": missing, "summary": isolation_summary(report)}
 
     def _start(self) -> _Zygote:
         """Starts the zygote on first use (or after it died): no processes exist before that."""
@@ -254,7 +255,8 @@ class LocalSandbox(CallResults):
                     ranks=local_ranks()[1],
                 )
             command, scratch_root = self._isolation_command()
-            program, why_not = seccomp_program(self._launch.socket_families)
+            program, why_not = self._launch.seccomp()
+            kinds = self._cgroups.kinds
             if program is None:
                 warn_once(f"LocalSandbox: no seccomp filter for sessions: {why_not}.")
             config = {
@@ -274,9 +276,10 @@ class LocalSandbox(CallResults):
                 "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
+                "watch_by_fsuid": self._drop_privileges and fsuid_needed(),  # root without CAP_SYS_PTRACE
                 "landlock": self._launch.landlock,
-                # No memory cgroup to bound a session as a whole: the zygote samples its processes instead.
-                "session_watchdog": not (self._cgroups.kinds & {"memory1", "memory", "v2"}),
+                # No memory or pids cgroup to bound a session as a whole: the zygote samples its processes instead.
+                "session_watchdog": not (kinds & {"memory1", "memory", "v2"}) or "pids" not in kinds,
                 "cgroups": self._cgroups.roots,
                 "seccomp": base64.b64encode(program).decode() if program else None,
                 "spares": self.spares,

@@ -12,7 +12,7 @@ from ..base import ExecResult, cut_output, signal_death_line
 
 class CallResults:
     """Mixed into `LocalSandbox`: the results of calls. Uses its `max_output_chars`, `timeout_s`, `cpu_time_s`,
-    `memory_mb` and `_kill(session)`."""
+    `memory_mb`, `max_processes`, `scratch_mb`, `max_files` and `_kill(session)`."""
 
     def result_of_reply(self, session, reply: dict, duration: float) -> ExecResult:
         """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
@@ -100,6 +100,16 @@ class CallResults:
                 )
             elif sig == signal.SIGKILL and crash.get("oom"):
                 line = f"MemoryError: memory limit of {self.memory_mb} MB exceeded (the session was killed)"
+            elif sig == signal.SIGKILL and crash.get("limit") == "processes":
+                line = (
+                    f"RuntimeError: more than {self.max_processes} processes and threads at once (the session was "
+                    "killed)"
+                )
+            elif sig == signal.SIGKILL and crash.get("limit") == "scratch":
+                line = (
+                    f"OSError: the session's files passed {self.scratch_mb} MB or {self.max_files} files (the "
+                    "session was killed)"
+                )
             elif sig == signal.SIGKILL and crash.get("own_limit"):
                 # The kernel enforced a hard limit the cell lowered itself: the cell's failure, scored as such.
                 limit = crash["own_limit"]

@@ -21,6 +21,7 @@ from .common import (
     Launch,
     can_drop_privileges,
     clean_env,
+    isolation_summary,
     needed_under_temp,
     warn_once,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "choose_level",
     "clean_env",
     "find_bwrap",
+    "isolation_summary",
     "needed_under_temp",
     "seccomp_program",
     "warn_once",
@@ -66,5 +68,7 @@ def choose_level(mode: str, worker: str, network: bool, writable: tuple[str, ...
 
 def _seccomp_problem() -> str | None:
     """The Landlock level leans on seccomp for the network (no IP sockets): without a filter it is no level."""
-    why = seccomp_program()[1]
+    from .seccomp import FAMILIES_WITHOUT_NAMESPACES
+
+    why = seccomp_program(FAMILIES_WITHOUT_NAMESPACES, confined_owner=True)[1]
     return None if why is None else f"no seccomp filter ({why}; pip install pyseccomp and libseccomp2)"

@@ -95,4 +95,5 @@ def launch(worker: str, network: bool, writable: tuple[str, ...]) -> Launch:
         return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, None, FAMILIES_IN_A_NETWORK_NAMESPACE, [])
     shared = landlock.launch(worker, network)
     missing = [m for m in shared.missing if not m.startswith(("private /tmp", "memory bound"))]
-    return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, shared.landlock, shared.socket_families, missing)
+    # Sessions share the user's uid (and a /tmp): the filter refuses metadata changes and uncounted memory as there.
+    return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, shared.landlock, shared.socket_families, missing, True)

@@ -105,8 +105,13 @@ CAP_SETUID, CAP_SYS_PTRACE = 7, 19
 
 def may_watch_other_uids() -> bool:
     """Root that may change uids and still watch a session of another uid (the trainer reads /proc/PID/syscall,
-    which needs ptrace access): a container runtime's root lacks CAP_SYS_PTRACE."""
-    return os.geteuid() == 0 and has_capability(CAP_SETUID) and has_capability(CAP_SYS_PTRACE)
+    which needs ptrace access): with CAP_SYS_PTRACE, or without it (a container runtime's root) through the
+    session's own uid as the reader's fsuid (`fsuid.py`, tried once on a stand-in)."""
+    if os.geteuid() != 0 or not has_capability(CAP_SETUID):
+        return False
+    from . import fsuid
+
+    return has_capability(CAP_SYS_PTRACE) or fsuid.works()
 
 
 def can_drop_privileges(worker: str) -> bool:
@@ -123,7 +128,9 @@ class Launch:
     `command` goes before the interpreter (empty: the zygote runs directly); `scratch_root` is where sessions'
     scratch directories live (None: a host temp directory of the sandbox's own); `landlock` holds the rules each
     session applies (None: no Landlock); `socket_families` are the socket families the seccomp filter leaves;
-    `missing` lists, in words, the protections of the isolation contract this level cannot give on this host."""
+    `missing` lists, in words, the protections of the isolation contract this level cannot give on this host;
+    `confined_owner`: sessions may own what lies outside their scratch (the Landlock level), so the seccomp filter
+    also refuses metadata changes, uncounted shared memory and calls on other processes (`seccomp.py`)."""
 
     level: str
     command: list[str]
@@ -131,3 +138,42 @@ class Launch:
     landlock: dict | None = None
     socket_families: tuple[int, ...] = (1,)
     missing: list[str] = field(default_factory=list)
+    confined_owner: bool = False
+
+    def seccomp(self) -> tuple[bytes | None, str | None]:
+        """The sessions' seccomp filter on this level, or why there is none (`seccomp.seccomp_program`)."""
+        from .seccomp import seccomp_program
+
+        return seccomp_program(self.socket_families, self.confined_owner)
+
+    @property
+    def ip_sockets_refused(self) -> bool:
+        """Whether cells cannot open an IP socket at all: the seccomp filter applies and leaves neither AF_INET nor
+        AF_INET6 (the Landlock level: the host's network stays, out of the cells' reach)."""
+        import socket
+
+        ip = {socket.AF_INET, socket.AF_INET6}
+        return self.seccomp()[0] is not None and not ip & set(self.socket_families)
+
+
+# The flags of `LocalSandbox.isolation_report()` in words, for its one-line `summary` (what holds, what does not).
+_FLAG_WORDS = {
+    "jail_per_session": "namespaces of its own per session",
+    "filesystem_confined": "reads and writes confined to what the interpreter needs",
+    "network_isolated": "no network",
+    "own_uid_per_session": "a uid of its own per session",
+    "seccomp": "seccomp filter",
+    "memory_cgroup": "memory bounded by a cgroup",
+    "pids_cgroup": "process count bounded by a cgroup",
+}
+
+
+def isolation_summary(report: dict) -> str:
+    """One line a person reads first: the level, the protections that hold, those that do not (the list
+    `missing` says each in full)."""
+    holds = [words for flag, words in _FLAG_WORDS.items() if report.get(flag)]
+    lacks = [words for flag, words in _FLAG_WORDS.items() if not report.get(flag)]
+    text = f"isolation level {report.get('isolation')}: holds: {', '.join(holds) or 'nothing of the contract'}"
+    if lacks:
+        text += f"; does not hold: {', '.join(lacks)} (each in full under 'missing')"
+    return text + "."

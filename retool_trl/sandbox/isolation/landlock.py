@@ -38,24 +38,39 @@ def launch(worker, network):
         missing.append("network isolation (network=True was asked for)")
     missing += [
         "private /tmp and /dev/shm: a session writes only its own scratch directory (its HOME and TMPDIR), so "
-        "POSIX semaphores (multiprocessing locks) are unavailable; its size is bounded per file only",
+        "POSIX semaphores (multiprocessing locks) are unavailable; the zygote samples the scratch tree every 0.1 s "
+        "and kills a session over scratch_mb or max_files, so a session can pass them between samples (files "
+        "fill at the disk's speed; a file deleted while held open is not seen)",
         "private process list: other processes' command lines and status are visible in /proc (not their "
-        "memory, environment or descriptors)",
-        "memory bound of a session as a whole, enforced at once (no writable memory cgroup): the zygote samples "
-        "each session's processes every 0.1 s and kills one over memory_mb or max_processes, so a session can "
-        "exceed them between samples; each process is also bounded by memory_mb of address space",
+        "memory, environment or descriptors), and stat() and access() answer for any path (Landlock governs "
+        "reads and writes, not metadata)",
+        "metadata changes in the scratch: chmod, chown, utime, extended attributes and inode flags are refused "
+        "everywhere (a seccomp filter cannot tell the scratch from the trainer's files), so shutil.copy (which "
+        "copies the mode) fails where shutil.copyfile works; memfd_create, SysV shared memory, semaphores and "
+        "message queues and POSIX message queues are refused (no memory cgroup would count them)",
+        "memory bound of a session as a whole, and its task bound, enforced at once (where no memory or pids "
+        "cgroup is writable): the zygote samples each session's processes every 0.1 s and kills one over memory_mb of "
+        "private resident memory or max_processes tasks (threads included), so a session can exceed them between "
+        "samples; each process is also bounded by memory_mb of address space; pipe and socket buffers are kernel "
+        "memory bounded only by the open-file limits (max_open_files per process)",
     ]
     if may_watch_other_uids() and not can_drop_privileges(worker):
         # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
-        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. The trainer
-        # needs CAP_SYS_PTRACE to watch a session of another uid (/proc/PID/syscall): a container's root has not.
+        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. A
+        # container's root, without CAP_SYS_PTRACE, watches it through its fsuid (`fsuid.py`).
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
+        why = (
+            "the trainer is root that may not change uids, or the kernel refuses it the /proc files of a process "
+            "of another uid: sessions run as uid 0 without any capability"
+            if os.geteuid() == 0
+            else "the trainer is a normal user: sessions run as that user"
+        )
+        nproc_root = ", and not uid 0's" if os.geteuid() == 0 else ""
         missing.append(
-            "own uid per session (the trainer is not root, or is a container's root, which lacks CAP_SYS_PTRACE to "
-            "watch a process of another uid: sessions then run as uid 0 without any capability); sessions share a "
-            "uid and Landlock keeps them apart, but no per-session process cap (RLIMIT_NPROC counts a uid's "
-            "processes) bounds a fork bomb"
+            f"own uid per session ({why}); sessions share a uid and Landlock and the seccomp filter keep them apart, "
+            f"but no immediate per-session task cap (RLIMIT_NPROC counts a uid's tasks{nproc_root}) bounds a fork "
+            "or thread bomb between the zygote's samples"
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
-    return Launch("landlock", [], None, rules, families, missing)
+    return Launch("landlock", [], None, rules, families, missing, confined_owner=True)

@@ -25,7 +25,7 @@ def send_hello(host, jail, frame):
     namespace by a normal user): a pidfd then names the process itself, and the host reads the pid it knows the
     process by from the pidfd's fdinfo."""
     fds = [jail.request_w, jail.status_r, jail.output]
-    hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds}
+    hello = {"hello": True, "pid": jail.pid, "creds": True, "cgroups": jail.cgroup_kinds, "uid": jail.uid}
     try:
         creds = (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", jail.pid, os.getuid(), os.getgid()))
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", *fds))
@@ -215,7 +215,9 @@ class Jail:
     def __init__(self, pid, request_w, status_r, output, ready_r, cgroups, scratch):
         self.pid, self.request_w, self.status_r, self.output = pid, request_w, status_r, output
         self.ready_r = ready_r  # EOF (after a byte) once the jail is set up, before any cell
-        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}
+        self.cgroup_kinds, self.scratch = cgroups, scratch  # {kind: directory}; scratch: removed once it died
+        self.watched_scratch = None  # its scratch as the zygote sees it, where the watchdog bounds the tree
+        self.uid = 0  # the session's own uid (0: none of its own)
         self.cgroups = list(dict.fromkeys(cgroups.values()))
         self.host = None  # the session's socket to the host, once handed out
         self.set_up = False

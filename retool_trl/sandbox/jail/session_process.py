@@ -217,7 +217,7 @@ def _serve(cell, payload, cpu_s):
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _CAP_LAST = 36, 24, 63
-_PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 8, 47, 2
+_PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _PR_SET_DUMPABLE = 8, 47, 2, 4
 _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
 
 
@@ -301,6 +301,8 @@ def session_main(config, jail):
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+        if config.get("watch_by_fsuid"):  # the trainer reads /proc/PID/syscall as this uid (isolation/fsuid.py)
+            prctl(_PR_SET_DUMPABLE, 1)
         if keep is not None:
             _set_capabilities(1 << keep)
             check(

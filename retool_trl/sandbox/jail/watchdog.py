@@ -1,13 +1,14 @@
-"""A session's memory and process bound as a whole where no memory cgroup is writable (the Landlock level in a
-container, a normal user): the zygote samples each session's process tree every `INTERVAL_S` seconds and kills a
-session whose processes together hold more than `memory_mb` of private resident memory, or number more than
-`max_processes`.
+"""A session's bounds as a whole where no cgroup keeps them (the Landlock level in a container, a normal user): the
+zygote samples each session every `INTERVAL_S` seconds and kills one whose processes together hold more than
+`memory_mb` of private resident memory, or have more than `max_processes` tasks (threads included), or whose scratch
+directory tree holds more than `scratch_mb` of disk or `max_files` entries.
 
-What it bounds, and what it does not: each process keeps its own address-space limit (RLIMIT_AS, immediate); the
-sum over a session's processes is checked only at each sample, so a session can exceed it for up to one interval;
-pages shared after a fork count once per process that maps them (an overestimate, never an underestimate of
-anonymous memory); files a session writes to its scratch directory are disk, not memory, and are bounded per file
-(RLIMIT_FSIZE). Stdlib-only: the zygote imports it as a sibling script module.
+What it bounds, and what it does not: each process keeps its own address-space limit (RLIMIT_AS) and each file its
+size limit (RLIMIT_FSIZE), both immediate; the sums are checked only at each sample, so a session can exceed them
+for up to one interval (threads start in tens of microseconds, files fill at the disk's speed); pages shared after a
+fork count once per process that maps them (an overestimate, never an underestimate of anonymous memory); a file
+deleted while held open is no longer in the tree (at most `max_open_files` x `max_file_size_mb` per process).
+Stdlib-only: the zygote imports it as a sibling script module.
 """
 
 import os
@@ -17,13 +18,16 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def process_tree(pid):
-    """`pid` and its descendants, from /proc (children of every thread); a process gone meanwhile is skipped."""
-    found, todo = [], [pid]
+    """`(pids, tasks)`: `pid` and its descendants, from /proc (children of every thread), and how many tasks (threads
+    included) they have; a process gone meanwhile is skipped."""
+    found, tasks, todo = [], 0, [pid]
     while todo:
         current = todo.pop()
         found.append(current)
-        todo.extend(_children(current))
-    return found
+        children, threads = _children(current)
+        tasks += threads
+        todo.extend(children)
+    return found, tasks
 
 
 def private_resident_bytes(pid):
@@ -36,40 +40,84 @@ def private_resident_bytes(pid):
         return 0
 
 
-def over_budget(pid, memory_bytes, max_processes):
-    """`(pids, reason)`: the session's processes, and "memory" or "processes" when it is over its bound, else None."""
-    pids = process_tree(pid)
-    if len(pids) > max_processes:
+def session_bounds(config):
+    """What the watchdog bounds (see `over_budget`): memory and tasks only where no cgroup does (`session_watchdog`),
+    the scratch tree always where it samples one (`scratch_unbounded`)."""
+    sampled = config.get("session_watchdog")
+    return {
+        "memory": config["memory_mb"] << 20 if sampled else None,
+        "tasks": config["max_processes"] if sampled else None,
+        "scratch": config["scratch_mb"] << 20,
+        "files": config["max_files"],
+    }
+
+
+def scratch_unbounded(config):
+    """Whether sessions' scratch directories lie outside a private tmpfs (no jail, or a scratch root outside the temp
+    directories a jail replaces with its own): then the watchdog bounds each as a tree (`scratch_over`)."""
+    root = config["scratch_root"]
+    return not config["jail"] or not any(os.path.commonpath([root, t]) == t for t in ("/tmp", "/var/tmp", "/dev/shm"))
+
+
+def scratch_over(path, max_bytes, max_files):
+    """Whether the tree under `path` holds more than `max_bytes` of disk blocks or more than `max_files` entries.
+    Stops at the first bound passed, so a tree of a million files costs no more to look at than its bound."""
+    used, entries, todo = 0, 0, [path]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as listing:
+                for entry in listing:
+                    entries += 1
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    used += info.st_blocks * 512
+                    if used > max_bytes or entries > max_files:
+                        return True
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+        except OSError:
+            continue
+    return False
+
+
+def over_budget(pid, bounds, scratch=None):
+    """`(pids, reason)`: the session's processes, and "processes", "memory" or "scratch" when it is over that bound
+    (`bounds`: `memory` bytes and `tasks`, None where a cgroup keeps them; `scratch` bytes and `files`), else None."""
+    pids, tasks = process_tree(pid)
+    if bounds.get("tasks") is not None and tasks > bounds["tasks"]:
         return pids, "processes"
-    if sum(private_resident_bytes(p) for p in pids) > memory_bytes:
+    if bounds.get("memory") is not None and sum(private_resident_bytes(p) for p in pids) > bounds["memory"]:
         return pids, "memory"
+    if scratch and scratch_over(scratch, bounds["scratch"], bounds["files"]):
+        return pids, "scratch"
     return pids, None
 
 
-def enforce(session_pids, memory_bytes, max_processes):
-    """Kills every session over its bound, with all its processes (without a pid namespace they would outlive it);
-    returns the pids of the sessions killed for their memory (their deaths are then reported as memory limits)."""
-    for_memory = set()
-    for pid in session_pids:
-        pids, reason = over_budget(pid, memory_bytes, max_processes)
+def enforce(sessions, bounds):
+    """Kills every session over its bound (`sessions`: `(pid, scratch directory or None)`), with all its processes
+    (without a pid namespace they would outlive it); returns `{pid: reason}` for the sessions killed."""
+    killed = {}
+    for pid, scratch in sessions:
+        pids, reason = over_budget(pid, bounds, scratch)
         if reason is None:
             continue
-        if reason == "memory":
-            for_memory.add(pid)
+        killed[pid] = reason
         for member in pids:
             try:
                 os.kill(member, 9)  # SIGKILL
             except OSError:
                 pass
-    return for_memory
+    return killed
 
 
 def kill_strays(parent, keep):
     """Kills the children of `parent` (the zygote, a subreaper) not in `keep`, with their descendants: processes of a
     session that died before them, which came back to the zygote instead of ending with their session."""
-    for child in _children(parent):
+    for child in _children(parent)[0]:
         if child not in keep:
-            for pid in process_tree(child):
+            for pid in process_tree(child)[0]:
                 try:
                     os.kill(pid, 9)  # SIGKILL
                 except OSError:
@@ -77,11 +125,13 @@ def kill_strays(parent, keep):
 
 
 def _children(pid):
-    found = []
+    """`(children, threads)` of a process: the children of each of its threads, and how many threads it has."""
+    found, threads = [], 0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
+            threads += 1
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
                 found.extend(int(child) for child in f.read().split())
     except (OSError, ValueError):
         pass
-    return found
+    return found, threads

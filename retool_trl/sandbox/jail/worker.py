@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import random
+import secrets
 import selectors
 import shutil
 import signal
@@ -41,7 +42,7 @@ from reaping import (  # noqa: E402
     weigh,
 )
 from session_process import session_main  # noqa: E402
-from watchdog import INTERVAL_S, enforce, kill_strays  # noqa: E402 - for hosts without cgroups
+from watchdog import INTERVAL_S, enforce, kill_strays, scratch_unbounded, session_bounds  # noqa: E402
 from wire import frame  # noqa: E402
 
 del sys.path[:1]
@@ -71,8 +72,9 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.pid = os.getpid()
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY) if config["jail"] else None
-        self.watched_at = 0.0  # last sample of the sessions' memory and processes (`session_watchdog` only)
-        self.killed_for_memory = set()  # pids of sessions the watchdog killed for their memory, until reaped
+        self.watched_at, self.killed_for = 0.0, {}  # last sample (`watchdog.py`); pid -> bound it was killed for
+        self.watch_scratch, self.bounds = scratch_unbounded(config), session_bounds(config)
+        self.watching = bool(config.get("session_watchdog")) or self.watch_scratch
         self.dying = []  # closed sessions waiting frozen to be killed, oldest first: (closed at, jail)
         self.removers = set()  # pids of the children removing dead sessions' scratch directories
 
@@ -86,7 +88,7 @@ class _Zygote:
 
     def fork_jail(self, warm):
         self.serial += 1
-        name = f"j{self.uid_base:x}-{self.serial}"  # unique per zygote: under bubblewrap every zygote is pid 2
+        name = f"j{secrets.token_hex(12)}"  # unique across zygotes; not derivable from a neighbour's (cells see it)
         uid = self.uid_base + self.serial % (1 << 20) if self.config["drop_uid"] else 0
         fds, cgroups = [], {}
         try:
@@ -128,8 +130,10 @@ class _Zygote:
             os._exit(70)
         for fd in (request_r, status_w, ready_w):
             os.close(fd)
-        scratch = None if self.config["jail"] else os.path.join(self.config["scratch_root"], name)
+        path = os.path.join(self.config["scratch_root"], name)
+        scratch = None if self.config["jail"] else path  # else in the jail's own tmpfs, gone with it
         self.jails[pid] = jail = Jail(pid, request_w, status_r, output, ready_r, cgroups, scratch)
+        jail.watched_scratch, jail.uid = path if self.watch_scratch else None, uid
         os.set_blocking(ready_r, False)
         self.selector.register(ready_r, selectors.EVENT_READ, ("ready", jail))
         return pid
@@ -202,8 +206,8 @@ class _Zygote:
         cause = death_cause(status, jail.cgroups, own_limit)
         if jail.evicted:
             cause.update(oom=True, evicted=True)
-        if jail.pid in self.killed_for_memory and cause.get("signal") == signal.SIGKILL:
-            cause["oom"] = True  # the session's own memory bound, kept by the watchdog where no cgroup does
+        if (bound := self.killed_for.get(jail.pid)) and cause.get("signal") == signal.SIGKILL:  # kept by the watchdog
+            cause.update(oom=True) if bound == "memory" else cause.update(limit=bound)
         if not jail.set_up:  # died before its first cell could run: the jail itself failed
             cause["setup_failed"] = self.setup_error(jail)
         try:
@@ -295,7 +299,7 @@ class _Zygote:
                 self.on_ready(jail)  # a jail that wrote its "set up" byte and died at once
             if jail.host is not None and not jail.closed:
                 self.report_death(jail, status, own_limit)
-            self.killed_for_memory.discard(pid)
+            self.killed_for.pop(pid, None)
             self.forget(jail)
             self.graveyard.extend(jail.cgroups)
             if jail.scratch:
@@ -305,10 +309,10 @@ class _Zygote:
             kill_strays(self.pid, set(self.jails) | self.removers)
 
     def watch(self):
-        """Where no memory cgroup bounds a session as a whole: the watchdog's sample (`isolation/watchdog.py`)."""
+        """Where no cgroup bounds a session as a whole, or its scratch: the watchdog's sample (`watchdog.py`)."""
         self.watched_at = time.monotonic()
-        live = [jail.pid for jail in self.jails.values() if not jail.closed]
-        self.killed_for_memory |= enforce(live, self.config["memory_mb"] << 20, self.config["max_processes"])
+        live = [(jail.pid, jail.watched_scratch) for jail in self.jails.values() if not jail.closed]
+        self.killed_for.update(enforce(live, self.bounds))
         kill_strays(self.pid, set(self.jails) | self.removers)  # what a killed session forked after the sample
 
     def remove_later(self, path):
@@ -373,12 +377,12 @@ class _Zygote:
             if self.dying:  # woken when the quiet moment comes
                 quiet_in = max(0.0, max(self.stirred, self.dying[-1][0]) + _REFILL_AFTER_S - time.monotonic())
                 timeout = quiet_in if timeout is None else min(timeout, quiet_in)
-            if self.config.get("session_watchdog"):
+            if self.watching:
                 timeout = INTERVAL_S if timeout is None else min(timeout, INTERVAL_S)
             events = self.selector.select(timeout)
             if memory.recheck_at is not None and time.monotonic() >= memory.recheck_at:
                 self.relieve(memory)
-            if self.config.get("session_watchdog") and time.monotonic() - self.watched_at >= INTERVAL_S:
+            if self.watching and time.monotonic() - self.watched_at >= INTERVAL_S:
                 self.watch()
             # The usual spares are refilled only when the sandbox is quiet: a fork stalls the zygote and a jail's
             # set-up takes CPU from the calls. A reserve (more jails than the usual spares, asked for ahead of a

@@ -29,6 +29,7 @@ import uuid
 import weakref
 import zlib
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 from ..base import ExecResult, SessionBase, check_pairs, cut_output, refusal, signal_death_line, truncate_output
@@ -41,6 +42,9 @@ __all__ = ["RemoteSandbox", "RemoteSession"]
 # A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
 # better served by an infrastructure error (retried or dropped by the caller) than by a stalled batch.
 _MAX_WAIT_S = 30.0
+
+# How long `close()` waits for the sessions being closed on their servers.
+_CLOSE_WAIT_S = 10.0
 
 # The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
 _sleep = time.sleep
@@ -90,7 +94,7 @@ class RemoteSession(SessionBase):
         if remote_id is not None:
             sandbox = self._sandbox
             try:
-                sandbox._start()[1].submit(close_remote, sandbox, self.server, remote_id)
+                sandbox._track_close(sandbox._start()[1].submit(close_remote, sandbox, self.server, remote_id))
             except RuntimeError:  # the sandbox is closed: the server closes the session after its idle time
                 pass
 
@@ -123,7 +127,9 @@ class RemoteSandbox:
         retries (`int`, defaults to `3`): Extra attempts after a failure of the service.
         backoff_s (`float`, defaults to `0.5`): First retry delay; doubled each time (at most 30 s), plus a random
             jitter of up to `backoff_s` so that the retries of a batch do not arrive together.
-        request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s).
+        request_timeout_s (`float`, *optional*): HTTP timeout of one request (default: the run timeout + 30 s; on
+            our sandbox server a session's cell waits as long as the server answers its `/health`, since a busy
+            server's late answer is the cell's and a timeout would lose the session's state).
         max_output_chars (`int`, defaults to `4096`): Longer output keeps its beginning and end around a marker.
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
         language (`str`, defaults to `"python"`): The service's language name for Python.
@@ -183,6 +189,8 @@ class RemoteSandbox:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._closing: set = set()  # sessions being closed on their server: `close()` lets them finish
+        self._closing_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, RemoteSandbox._shutdown, [None, None])
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -213,10 +221,24 @@ class RemoteSandbox:
             client.close()
 
     def close(self) -> None:
-        """Closes the HTTP client. Idempotent."""
+        """Closes the HTTP client, once the sessions closed before have been closed on their servers (or a few
+        seconds passed: a server that does not answer closes them after its idle time). Idempotent."""
+        with self._closing_lock:
+            pending = list(self._closing)
+        futures.wait(pending, timeout=_CLOSE_WAIT_S)  # before `_closed`: their requests need the client
         with self._lock:
             self._closed = True
         self._finalizer()
+
+    def _track_close(self, closing: futures.Future) -> None:
+        with self._closing_lock:
+            self._closing.add(closing)
+
+        def done(future):
+            with self._closing_lock:
+                self._closing.discard(future)
+
+        closing.add_done_callback(done)
 
     def __enter__(self) -> RemoteSandbox:
         return self
@@ -344,9 +366,14 @@ class RemoteSandbox:
             failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
         except _ServiceFailure as exc:
             failure = exc
-        if failure.unreachable and len(self.urls) > 1:  # new sessions go elsewhere for a while
-            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
+        if failure.unreachable:
+            self._mark_down(server)
         raise failure
+
+    def _mark_down(self, server: str) -> None:
+        """New sessions go to the other servers for a while (where there are others)."""
+        if len(self.urls) > 1:
+            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
 
     def _wait(self, retry_state) -> float:
         """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
@@ -366,14 +393,18 @@ class RemoteSandbox:
         except httpx.HTTPError as exc:
             if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=True) from exc
-        if not resend and reply.status_code >= 500 and reply.status_code != 503:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")
-        if reply.status_code >= 500 or reply.status_code == 429:
-            asked = _retry_after(reply.headers.get("Retry-After")) if reply.status_code in (429, 503) else None
-            raise _Retryable(f"HTTP {reply.status_code}", asked)
-        if reply.status_code >= 400:
-            raise _ServiceFailure(f"HTTP {reply.status_code}: {reply.text[:200]}")  # a bad request stays bad
+            # A server that took the request and is slow to answer is busy, not gone: it keeps its new sessions.
+            unreachable = not isinstance(exc, httpx.ReadTimeout)
+            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
+        status = reply.status_code
+        if not resend and status >= 500 and status != 503:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)
+        # 409 with Retry-After: our server's session is still running an earlier cell and ran nothing of this one.
+        if status >= 500 or status == 429 or (status == 409 and reply.headers.get("Retry-After")):
+            asked = _retry_after(reply.headers.get("Retry-After")) if status in (409, 429, 503) else None
+            raise _Retryable(f"HTTP {status}", asked)
+        if status >= 400:
+            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)  # a bad request stays bad
         try:
             data = reply.json()
         except ValueError:

@@ -1,15 +1,18 @@
 """The sandbox server's HTTP routes (starlette): SandboxFusion's `/run_code`, our stateful `/sessions`, `/health`
-and `/metrics`; bearer-token check, 429 + `Retry-After` at the bound, idle expiry, and every jail killed at shutdown.
+and `/metrics`; bearer-token check, 429 + `Retry-After` at a bound, idle expiry, and every jail killed at shutdown.
 
 Sessions API (what `RemoteSandbox` uses when `/health` says `"sessions": 1`):
 
     POST   /sessions                 {"timeout_s"?, "memory_mb"?, "max_output_chars"?, "show_last_expression"?}
-                                     -> {"session_id", "limits"}
+                                     -> {"session_id", "limits"}   (exactly the limits asked, or the defaults)
     POST   /sessions/{id}/run        {"code": str} or {"cells": [str, ...]}
                                      -> {"results": [{"output", "ok", "timed_out", "duration_s", "infra_error"}]}
     DELETE /sessions/{id}            -> {"closed": true}
 
-An unknown session is a 404 (`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors.
+A limit outside its range is a 400 naming the field and its range (`limits.py`); a run request for a session whose
+cell is still running is a 409 with `Retry-After` (it never waits on a slot); an unknown session is a 404
+(`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors. A client is its peer address:
+it holds a bounded number of sessions and of limit sets.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from starlette.routing import Route
 
 from . import fusion
 from .config import ServerConfig
-from .table import Full, SessionTable, UnknownSession
+from .http import BodyError, read_json
+from .limits import LimitError, session_limits
+from .table import Busy, Full, SessionTable, UnknownSession
 
 __all__ = ["SESSIONS_API_VERSION", "create_app"]
 
@@ -66,10 +71,13 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
     async def body_of(request: Request):
-        try:
-            return await request.json()
-        except ValueError:
-            return None
+        return await read_json(request, config.max_body_bytes, config.body_timeout_s)
+
+    def client_of(request: Request) -> str:
+        return request.client.host if request.client else "?"
+
+    def bad(status: int, detail: str) -> JSONResponse:
+        return JSONResponse({"error": "bad_request", "detail": detail}, status)
 
     async def run_code(request: Request):
         if (denied := refused(request)) is not None:
@@ -77,6 +85,8 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         try:
             req = fusion.parse_request(await body_of(request))
             timeout, memory = config.clamp(req["run_timeout"], req["memory_limit_MB"])
+        except BodyError as error:
+            return JSONResponse({"detail": error.detail}, error.status)
         except fusion.RequestError as error:
             return JSONResponse({"detail": error.detail}, 422)
         except ValueError as error:
@@ -85,32 +95,41 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             return JSONResponse(fusion.unsupported(req["language"]))
         if req["fetch_files"]:
             return JSONResponse(fusion.reply("SandboxError", "fetch_files is not supported by this server", None))
+        client = client_of(request)
+        limits = {
+            "timeout_s": timeout,
+            "memory_mb": memory,
+            "max_output_chars": config.max_output_chars,
+            "show_last_expression": False,
+        }
         try:
             table.acquire()
         except Full as error:
             return busy(error)
         try:
-            profile = await blocking(table.profile, timeout, memory, config.max_output_chars, False)
+            profile = await blocking(table.take_profile, limits, client)
+        except Full as error:
+            table.release()
+            return busy(error)
+        try:
             prelude = fusion.prelude(req)
             result, before = await blocking(table.run_once, req["code"], profile, prelude)
         finally:
+            table.drop_profile(profile, client)
             table.release()
         return JSONResponse(fusion.response(result, prelude_error=before))
 
     async def open_session(request: Request):
         if (denied := refused(request)) is not None:
             return denied
-        body = await body_of(request)
-        body = body if isinstance(body, dict) else {}
         try:
-            timeout, memory = config.clamp(body.get("timeout_s"), body.get("memory_mb"))
-            chars = int(body.get("max_output_chars") or 4096)
-            show = bool(body.get("show_last_expression", True))
-        except (TypeError, ValueError) as error:
-            return JSONResponse({"error": "bad_request", "detail": str(error)}, 400)
+            limits = session_limits(await body_of(request), config)
+        except BodyError as error:
+            return bad(error.status, error.detail)
+        except LimitError as error:
+            return bad(400, str(error))
         try:
-            profile = await blocking(table.profile, timeout, memory, chars, show)
-            session_id = table.open(profile)
+            session_id, profile = await blocking(table.open, limits, client_of(request))
         except Full as error:
             return busy(error)
         return JSONResponse({"session_id": session_id, "limits": profile.limits()})
@@ -118,23 +137,32 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
     async def run_session(request: Request):
         if (denied := refused(request)) is not None:
             return denied
-        body = await body_of(request)
+        try:
+            body = await body_of(request)
+        except BodyError as error:
+            return bad(error.status, error.detail)
         cells = body.get("cells") if isinstance(body, dict) else None
         if isinstance(body, dict) and isinstance(body.get("code"), str):
             cells = [body["code"]]
         if not isinstance(cells, list) or not cells or not all(isinstance(c, str) for c in cells):
-            return JSONResponse({"error": "bad_request", "detail": 'send {"code": str} or {"cells": [str, ...]}'}, 400)
+            return bad(400, 'send {"code": str} or {"cells": [str, ...]}')
+        if len(cells) > config.max_cells_per_request:
+            return bad(400, f"cells must hold 1 to {config.max_cells_per_request} cells here, got {len(cells)}")
+        session_id = request.path_params["session_id"]
         try:
-            table.acquire()
-        except Full as error:
-            table.touch(request.path_params["session_id"])  # its client is there, retrying: not idle
-            return busy(error)
-        try:
-            results = await blocking(table.run, request.path_params["session_id"], cells)
+            live = table.begin(session_id)
         except UnknownSession:
             return _unknown()
+        except Busy as error:
+            detail = {"error": "session_busy", "detail": str(error)}
+            return JSONResponse(detail, 409, headers={"Retry-After": RETRY_AFTER_S})
+        except Full as error:
+            table.touch(session_id)  # its client is there, retrying: not idle
+            return busy(error)
+        try:
+            results = await blocking(table.run, live, cells)
         finally:
-            table.release()
+            table.end(live)
         return JSONResponse({"results": [dataclasses.asdict(r) for r in results]})
 
     async def close_session(request: Request):
@@ -156,6 +184,8 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             "live_sessions": snap["live_sessions"],
             "running": snap["running"],
             "max_concurrency": config.max_concurrency,
+            "cpu_slots": table.cpu_slots,
+            "limit_profiles": snap["limit_profiles"],
         }
         return JSONResponse(body, 503 if table.closed else 200)
 
@@ -165,7 +195,7 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return PlainTextResponse(_prometheus(table.snapshot(), config), media_type="text/plain; version=0.0.4")
 
     async def expire_forever():
-        period = min(30.0, max(0.5, config.idle_s / 4))
+        period = min(30.0, max(0.5, min(config.idle_s, config.fresh_idle_s) / 4))
         while True:
             await asyncio.sleep(period)
             await blocking(table.expire)

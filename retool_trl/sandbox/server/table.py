@@ -1,5 +1,10 @@
-"""What the sandbox server holds: one `LocalSandbox` per limit profile, the live sessions, the bound on running
-calls, and the counters `/metrics` shows. Blocking code only (the app runs it in worker threads)."""
+"""What the sandbox server holds: the limit profiles (one `LocalSandbox` each, all sharing the node's CPU slots and
+memory budget), the live sessions and whose they are, the bound on running cells, and the counters `/metrics` shows.
+Blocking code only (the app runs it in worker threads), except the quick checks `begin`/`end` of a call.
+
+What one client does never changes what another gets: a session is served by the profile of exactly the limits it
+asked for (never another's), a profile is built for it or refused (429) when every one is in use, and profiles no live
+session uses are given back. A client holds a bounded number of sessions and profiles."""
 
 from __future__ import annotations
 
@@ -11,16 +16,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..base import ExecResult
+from ..host.admission import InFlight
 from ..host.local import LocalSandbox, LocalSession
+from ..host.node import node_share_cpus, node_share_memory_mb
 from .config import ServerConfig
 
-__all__ = ["Full", "SessionTable", "UnknownSession"]
+__all__ = ["Busy", "Full", "Profile", "SessionTable", "UnknownSession"]
 
 logger = logging.getLogger(__name__)
 
 
 class Full(Exception):
-    """The server is at its bound (running calls or live sessions): the caller answers 429 and nothing is queued."""
+    """The server (or this client's share of it) is at a bound: the caller answers 429 and nothing is queued."""
+
+
+class Busy(Exception):
+    """The session is running a cell already: the caller answers 409 and nothing is queued."""
 
 
 class UnknownSession(KeyError):
@@ -29,7 +40,7 @@ class UnknownSession(KeyError):
 
 @dataclass(frozen=True)
 class Profile:
-    """The limits a `LocalSandbox` is built with (one sandbox serves every session with these limits)."""
+    """The limits a `LocalSandbox` is built with (one sandbox serves every session with exactly these limits)."""
 
     timeout_s: float
     memory_mb: int
@@ -37,85 +48,139 @@ class Profile:
     show_last_expression: bool
 
     def limits(self) -> dict:
-        return {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb, "max_output_chars": self.max_output_chars}
+        return {
+            "timeout_s": self.timeout_s,
+            "memory_mb": self.memory_mb,
+            "max_output_chars": self.max_output_chars,
+            "show_last_expression": self.show_last_expression,
+        }
+
+
+@dataclass
+class _Served:
+    sandbox: LocalSandbox
+    users: int = 0  # live sessions and running `/run_code` calls on it
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Live:
     session: LocalSession
     profile: Profile
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time per session
+    client: str
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while a call of the session runs
     last_used: float = field(default_factory=time.monotonic)
-    busy: int = 0
+    used: bool = False  # ran a cell: idle sessions that never did expire sooner
 
 
 class SessionTable:
-    """The server's state. `call()` bounds the cells running at once (raises `Full` past the bound, never queues);
-    `expire()` closes idle sessions; `close()` kills every jail."""
+    """The server's state. `begin()` takes a running-cell slot (raises `Full` past the bound and `Busy` for a session
+    already running, never queues); `expire()` closes idle sessions; `close()` kills every jail."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self._sandboxes: dict[Profile, LocalSandbox] = {}
+        self.cpu_slots = max(1, config.workers or node_share_cpus())
+        self.memory_budget_mb = config.total_memory_mb or node_share_memory_mb()
+        # Every profile's cells take their CPU slots from one count (`InFlight`): N profiles never compute more
+        # than the node's slots together.
+        self._in_flight = InFlight()
+        self._profiles: dict[Profile, _Served] = {}
         self._sessions: dict[str, _Live] = {}
+        self._held: Counter[tuple[str, Profile]] = Counter()  # (client, profile) -> its sessions and calls on it
         self._lock = threading.Lock()
         self.running = 0
         self.counts: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
         self.closed = False
-        self._default = self.profile(config.timeout_s, config.memory_mb, config.max_output_chars, False)
+        self._default = Profile(config.timeout_s, config.memory_mb, config.max_output_chars, False)
+        self._profiles[self._default] = _Served(self._build(self._default), users=1)  # never given back
 
-    # --------------------------------------------------------------------------------------------- sandboxes
-
-    def profile(self, timeout_s: float, memory_mb: int, max_output_chars: int, show: bool) -> Profile:
-        """The profile serving these (already clamped) limits, starting its sandbox when there is room for one."""
-        wanted = Profile(timeout_s, memory_mb, min(int(max_output_chars), self.config.max_output_chars), show)
-        with self._lock:
-            if wanted in self._sandboxes:
-                return wanted
-            if len(self._sandboxes) < self.config.max_limit_profiles:
-                self._sandboxes[wanted] = self._build(wanted)
-                return wanted
-            # No room for another sandbox: the nearest served limits that are not below the request's.
-            above = [
-                p
-                for p in self._sandboxes
-                if p.show_last_expression == show
-                and p.timeout_s >= timeout_s
-                and p.memory_mb >= memory_mb
-                and p.max_output_chars >= wanted.max_output_chars
-            ]
-            if above:
-                return min(above, key=lambda p: (p.timeout_s, p.memory_mb, p.max_output_chars))
-            # None is as large: the largest served (the request asked for more than any has).
-            same = [p for p in self._sandboxes if p.show_last_expression == show] or [self._default]
-            return max(same, key=lambda p: (p.timeout_s, p.memory_mb, p.max_output_chars))
+    # --------------------------------------------------------------------------------------------- profiles
 
     def _build(self, profile: Profile) -> LocalSandbox:
         c = self.config
-        return LocalSandbox(
-            num_workers=c.workers,
+        sandbox = LocalSandbox(
+            num_workers=self.cpu_slots,
             timeout_s=profile.timeout_s,
             memory_mb=profile.memory_mb,
             max_output_chars=profile.max_output_chars,
             show_last_expression=profile.show_last_expression,
             isolation=c.isolation,
             allow_root_without_isolation=c.allow_root_without_isolation,
+            # Each profile's share of the node's memory budget: all profiles together stay within it.
+            total_memory_mb=max(64, self.memory_budget_mb // c.max_limit_profiles),
         )
+        sandbox.in_flight = self._in_flight
+        return sandbox
+
+    def take_profile(self, limits: dict, client: str) -> Profile:
+        """The profile of exactly `limits` for `client` (built when there is room, giving back one nobody uses).
+
+        Raises:
+            `Full`: every profile is in use, or this client holds its share of them.
+        """
+        wanted = Profile(
+            float(limits["timeout_s"]),
+            int(limits["memory_mb"]),
+            int(limits["max_output_chars"]),
+            bool(limits["show_last_expression"]),
+        )
+        evicted = None
+        with self._lock:
+            if self.closed:
+                raise Full("the server is shutting down")
+            if wanted not in self._profiles or (client, wanted) not in self._held:
+                mine = {p for (c, p) in self._held if c == client and p != self._default}
+                if wanted != self._default and len(mine) >= self.config.max_profiles_per_client:
+                    self.counts["rejected_profiles"] += 1
+                    raise Full(
+                        f"this client already uses {len(mine)} limit sets (the server's bound per client): close "
+                        "sessions of another limit set first, or ask for limits it already uses"
+                    )
+            if wanted not in self._profiles:
+                if len(self._profiles) >= self.config.max_limit_profiles:
+                    unused = [(s.last_used, p) for p, s in self._profiles.items() if not s.users]
+                    if not unused:
+                        self.counts["rejected_profiles"] += 1
+                        raise Full(
+                            f"all {len(self._profiles)} limit sets this server serves at once are in use by live "
+                            "sessions; retry later, or ask for limits one of them has"
+                        )
+                    evicted_key = min(unused, key=lambda u: u[0])[1]
+                    evicted = self._profiles.pop(evicted_key).sandbox
+                self._profiles[wanted] = _Served(self._build(wanted))
+                self.counts["profiles_built"] += 1
+            self._profiles[wanted].users += 1
+            self._held[(client, wanted)] += 1
+        if evicted is not None:
+            evicted.close()
+        return wanted
+
+    def drop_profile(self, profile: Profile, client: str) -> None:
+        """One user of `profile` fewer (a session closed, or a `/run_code` call done)."""
+        with self._lock:
+            served = self._profiles.get(profile)
+            if served is not None:
+                served.users -= 1
+                served.last_used = time.monotonic()
+            self._held[(client, profile)] -= 1
+            if self._held[(client, profile)] <= 0:
+                del self._held[(client, profile)]
 
     def isolation_report(self) -> dict:
         """`LocalSandbox.isolation_report()` of the default profile (starts it: jails are ready before traffic)."""
-        return self._sandboxes[self._default].isolation_report()
+        return self._profiles[self._default].sandbox.isolation_report()
 
     # -------------------------------------------------------------------------------------------------- calls
 
     def acquire(self) -> None:
-        """Takes a running-call slot or raises `Full`."""
+        """Takes a running-cell slot or raises `Full`."""
         with self._lock:
             if self.closed:
                 raise Full("the server is shutting down")
             if self.running >= self.config.max_concurrency:
                 self.counts["rejected_busy"] += 1
-                raise Full(f"{self.running} calls running, the server's bound")
+                raise Full(f"{self.running} cells running, the server's bound")
             self.running += 1
 
     def release(self) -> None:
@@ -125,7 +190,9 @@ class SessionTable:
     def run_once(self, code: str, profile: Profile, prelude: str | None = None):
         """One cell in a fresh jail, closed after it (SandboxFusion's stateless `run_code`), after `prelude` (the
         request's files and stdin) in the same jail. Returns `(result, prelude's result or None)`."""
-        session = self._sandboxes[profile].session()
+        with self._lock:
+            sandbox = self._profiles[profile].sandbox  # held by the caller's `take_profile`: not given back
+        session = sandbox.session()
         try:
             before = session.run(prelude) if prelude else None
             if before is not None and not before.ok:
@@ -134,32 +201,58 @@ class SessionTable:
         finally:
             session.close()
 
-    def open(self, profile: Profile) -> str:
-        """A new session (its jail is taken at its first cell); returns its id."""
+    def open(self, limits: dict, client: str) -> tuple[str, Profile]:
+        """A new session of exactly `limits` for `client` (its jail is taken at its first cell): `(id, profile)`."""
         with self._lock:
             if self.closed:
                 raise Full("the server is shutting down")
             if len(self._sessions) >= self.config.max_sessions:
                 self.counts["rejected_sessions"] += 1
                 raise Full(f"{len(self._sessions)} live sessions, the server's bound")
-            session_id = secrets.token_urlsafe(16)
-            self._sessions[session_id] = _Live(self._sandboxes[profile].session(), profile)
-            self.counts["sessions_opened"] += 1
-            return session_id
+            mine = sum(1 for live in self._sessions.values() if live.client == client)
+            if mine >= self.config.max_sessions_per_client:
+                self.counts["rejected_sessions"] += 1
+                raise Full(f"this client holds {mine} live sessions, the server's bound per client: close some")
+        profile = self.take_profile(limits, client)
+        with self._lock:
+            # Checked again with the session in: opens of one client racing each other stay within its bound.
+            over = sum(1 for live in self._sessions.values() if live.client == client)
+            if over >= self.config.max_sessions_per_client or len(self._sessions) >= self.config.max_sessions:
+                over = True
+            else:
+                over = False
+                sandbox = self._profiles[profile].sandbox
+                session_id = secrets.token_urlsafe(16)
+                self._sessions[session_id] = _Live(sandbox.session(), profile, client)
+                self.counts["sessions_opened"] += 1
+        if over:
+            self.drop_profile(profile, client)
+            raise Full("the live-session bound was reached meanwhile")
+        return session_id, profile
 
-    def limits(self, session_id: str) -> dict:
-        return self._get(session_id).profile.limits()
-
-    def run(self, session_id: str, cells: list[str]) -> list[ExecResult]:
-        """Runs `cells` in order in the session (one call of the session at a time)."""
+    def begin(self, session_id: str) -> _Live:
+        """Starts a call of the session: its lock and a running slot, or `Busy`/`Full`/`UnknownSession` at once."""
         live = self._get(session_id)
-        with live.lock:
-            live.busy += 1
-            try:
-                return [self._account(live.session.run(code), "session") for code in cells]
-            finally:
-                live.busy -= 1
-                live.last_used = time.monotonic()
+        if not live.lock.acquire(blocking=False):
+            with self._lock:
+                self.counts["rejected_session_busy"] += 1
+            raise Busy("this session is running a cell: send its next one once that one is answered")
+        try:
+            self.acquire()
+        except Full:
+            live.lock.release()
+            raise
+        return live
+
+    def end(self, live: _Live) -> None:
+        live.last_used = time.monotonic()
+        self.release()
+        live.lock.release()
+
+    def run(self, live: _Live, cells: list[str]) -> list[ExecResult]:
+        """Runs `cells` in order in the session (begun with `begin`)."""
+        live.used = True
+        return [self._account(live.session.run(code), "session") for code in cells]
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
@@ -167,6 +260,7 @@ class SessionTable:
         if live is None:
             raise UnknownSession(session_id)
         live.session.close()
+        self.drop_profile(live.profile, live.client)
         with self._lock:
             self.counts["sessions_closed"] += 1
 
@@ -197,21 +291,24 @@ class SessionTable:
     # ------------------------------------------------------------------------------------------------- upkeep
 
     def expire(self) -> int:
-        """Closes the sessions idle for longer than `idle_s`; returns how many."""
+        """Closes the sessions idle for longer than `idle_s` (`fresh_idle_s` for those that never ran a cell);
+        returns how many."""
         now = time.monotonic()
+        c = self.config
         with self._lock:
             stale = [
                 sid
                 for sid, live in self._sessions.items()
-                if not live.busy and now - live.last_used > self.config.idle_s
+                if not live.lock.locked() and now - live.last_used > (c.idle_s if live.used else c.fresh_idle_s)
             ]
             lives = [self._sessions.pop(sid) for sid in stale]
         for live in lives:
             live.session.close()
+            self.drop_profile(live.profile, live.client)
         if lives:
             with self._lock:
                 self.counts["sessions_expired"] += len(lives)
-            logger.info("closed %d session(s) idle for more than %g s", len(lives), self.config.idle_s)
+            logger.info("closed %d idle session(s)", len(lives))
         return len(lives)
 
     def snapshot(self) -> dict:
@@ -219,7 +316,7 @@ class SessionTable:
             return {
                 "live_sessions": len(self._sessions),
                 "running": self.running,
-                "limit_profiles": len(self._sandboxes),
+                "limit_profiles": len(self._profiles),
                 "counts": dict(self.counts),
                 "seconds": dict(self.seconds),
             }
@@ -229,7 +326,7 @@ class SessionTable:
         with self._lock:
             self.closed = True
             lives, self._sessions = list(self._sessions.values()), {}
-            sandboxes = list(self._sandboxes.values())
+            sandboxes = [served.sandbox for served in self._profiles.values()]
         for live in lives:
             live.session.close()
         for sandbox in sandboxes:
