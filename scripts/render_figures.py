@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Renders the performance tables of README.md and docs/performance.md from `scripts/results/*.jsonl`.
+"""Renders the figure tables of README.md, docs/performance.md and docs/quickstart.md from `scripts/results/*.jsonl`.
 
 Each table sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in its page; the prose around it stays
 hand-written. Under each table a line names its source: the results file, the lines, the command and the date,
 commit, cores and load they were measured at. A line measured with another command than the one the page shows
 (other flags, or recorded before runs logged their conditions) says so in that line.
+
+The emergence quickstart's table and plot come from `render_quickstart`; its plot is redrawn on a rewrite (`--check`
+compares the tables only).
 
     python scripts/render_figures.py           # rewrite the tables in place
     python scripts/render_figures.py --check   # exit 1, naming each table that differs from its results (CI)
@@ -20,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import render_quickstart
 import results_log
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/performance.md")
+PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md")
 IGNORED_FLAGS = {"--json", "--no-record"}  # change what is printed, not what is measured
 
 
@@ -409,6 +413,7 @@ def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
     for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD):
         rendered[table.benchmark] = render_table(table, directory)
+    rendered.update(render_quickstart.blocks(directory))
     return rendered
 
 
@@ -446,6 +451,8 @@ def main(argv=None) -> int:
             stale.append(page)
             if not args.check:
                 path.write_text(new)
+    if not args.check:
+        render_quickstart.draw(args.root / "scripts" / "results")
     if args.check and stale:
         print(
             f"figures in {', '.join(stale)} differ from scripts/results/*.jsonl: run python scripts/render_figures.py",

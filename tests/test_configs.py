@@ -150,6 +150,23 @@ def test_multiturn_config_matches_the_quickstart_command():
     assert float(raw["dataset_config"]) == task.failing_start
 
 
+def test_emerge_config_matches_the_quickstart_command():
+    """configs/quickstart_emerge.yaml is the `tool_rl` run of `retool-trl quickstart --task emerge`: a user who
+    trains from the config gets the documented run."""
+    from retool_trl.quickstart import EMERGE_DEFAULTS, EmergeTask, QuickstartArguments
+
+    defaults, task = QuickstartArguments(task="emerge", **EMERGE_DEFAULTS), EmergeTask()
+    raw = yaml.safe_load((CONFIGS / "quickstart_emerge.yaml").read_text())
+    assert raw["model_name_or_path"] == "quickstart_emerge"
+    assert raw["per_device_train_batch_size"] == defaults.prompts_per_step * defaults.num_generations
+    assert raw["max_train_samples"] == defaults.num_train
+    for key in ("max_steps", "learning_rate", "beta", "temperature", "max_completion_length", "seed"):
+        assert float(raw[key]) == pytest.approx(float(getattr(defaults, key))), key
+    assert raw["lr_scheduler_type"] == "warmup_stable_decay"
+    assert raw["lr_scheduler_kwargs"] == {"num_decay_steps": defaults.lr_decay_steps}
+    assert int(raw["dataset_config"]) == task.difficulty and raw["reward_funcs"] == ["boxed_accuracy"]
+
+
 def test_multiturn_config_trains(tmp_path):
     """`retool-trl train --config configs/quickstart_multiturn.yaml` with the shipped model, the real sandbox and
     the task's cell budget: two short steps, the cell limit reaches the rollout, recovery is logged."""

@@ -23,16 +23,20 @@ logger = logging.getLogger("retool_trl.models")
 
 ASSETS = Path(__file__).parents[1] / "assets"
 # Checkpoints shipped with the package, by the alias `model_name_or_path` / `--model` accept.
-MODEL_ALIASES = {"quickstart": "quickstart_model", "quickstart_multiturn": "multiturn_model"}
+MODEL_ALIASES = {
+    "quickstart": "quickstart_model",
+    "quickstart_multiturn": "multiturn_model",
+    "quickstart_emerge": "emerge_model",
+}
 # `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".safetensors", ".bin", ".yaml", ".yml")
 
 
 def quickstart_model_path(name: str = "quickstart") -> str:
-    """Folder of a checkpoint shipped with the package: `quickstart` (the CPU quickstart's tiny model) or
-    `quickstart_multiturn`. The same aliases work as `model_name_or_path` on the command line and as the `model` of
-    [`~retool_trl.ReToolTrainer`].
+    """Folder of a checkpoint shipped with the package: `quickstart` (the CPU quickstart's tiny model),
+    `quickstart_multiturn` or `quickstart_emerge`. The same aliases work as `model_name_or_path` on the command line
+    and as the `model` of [`~retool_trl.ReToolTrainer`].
 
     Raises:
         UserError: an unknown alias, or a shipped checkpoint missing from this installation.
@@ -41,7 +45,7 @@ def quickstart_model_path(name: str = "quickstart") -> str:
         raise UserError(f"unknown shipped model {name!r}: expected one of {', '.join(MODEL_ALIASES)}.")
     folder = ASSETS / MODEL_ALIASES[name]
     if not (folder / "config.json").is_file():
-        script = "build_quickstart_model.py" if name == "quickstart" else "build_multiturn_model.py"
+        script = f"build_{'quickstart' if name == 'quickstart' else name.removeprefix('quickstart_')}_model.py"
         raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/{script}`.")
     return str(folder)
 

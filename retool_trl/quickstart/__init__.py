@@ -4,6 +4,8 @@
   [`TaskPlan`] a task hands the runner);
 - `arithmetic`: one code call per answer (the default task, `model_path()`);
 - `multiturn`: dependent cells under a per-cell budget and recovery from a failing cell (`--task multiturn`);
+- `emerge`: the arithmetic task from a checkpoint that almost never calls code: RL creates the habit
+  (`--task emerge`);
 - `runner`: trains and evaluates a plan ([`run_quickstart`], [`train_run`]) and is `retool-trl quickstart` ([`main`]).
 
 Imports run one way: `runner` -> the tasks -> `plan`.
@@ -19,6 +21,12 @@ _LAZY = {
     "arithmetic_plan": ".arithmetic",
     "model_path": ".arithmetic",
     "MULTITURN_DEFAULTS": ".plan",
+    "EMERGE_DEFAULTS": ".plan",
+    "EMERGE_MODEL_DIR": ".emerge",
+    "EmergeTask": ".emerge",
+    "emerge_model_path": ".emerge",
+    "emerge_plan": ".emerge",
+    "plot_emergence": ".emerge",
     "MULTITURN_MODEL_DIR": ".multiturn",
     "CellBudgetSandbox": ".multiturn",
     "MultiturnTask": ".multiturn",
@@ -55,6 +63,12 @@ def __dir__():
 
 
 __all__ = [
+    "EMERGE_DEFAULTS",
+    "EMERGE_MODEL_DIR",
+    "EmergeTask",
+    "emerge_model_path",
+    "emerge_plan",
+    "plot_emergence",
     "MULTITURN_DEFAULTS",
     "MULTITURN_MODEL_DIR",
     "PLANS",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TASKS = ("arithmetic", "multiturn")
+TASKS = ("arithmetic", "multiturn", "emerge")
 
 # What `--task multiturn` takes where the user sets nothing (arithmetic: `QuickstartArguments`' own defaults).
 MULTITURN_DEFAULTS = {
@@ -21,7 +21,12 @@ MULTITURN_DEFAULTS = {
     "num_eval": 256,
     "threads": 1,
 }
-TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS}
+# `--task emerge`: more steps than the arithmetic task, whose starting model already calls code in 70% of its answers,
+# and a weaker KL term: `beta` 0.2 anchors the policy to a starting model that answers without code 97% of the time,
+# and in a group whose samples all call code and are right the KL term is the only force left, pulling towards that
+# habit (at 0.2 it balances the reward's push at about 90% code).
+EMERGE_DEFAULTS = {"max_steps": 120, "lr_decay_steps": 60, "beta": 0.02, "threads": 1}
+TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS, "emerge": EMERGE_DEFAULTS}
 
 # The two runs differ only in whether code is executed.
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
@@ -32,12 +37,14 @@ class QuickstartArguments:
     """Settings of `retool-trl quickstart`: GRPO with and without the interpreter from the same checkpoint.
 
     The defaults are sized for 2 CPU cores: about 3 minutes in all, under 1 GB of memory. With `task="multiturn"`,
-    fields left unset take that task's defaults (`retool_trl.quickstart.plan.MULTITURN_DEFAULTS`).
+    fields left unset take that task's defaults (`retool_trl.quickstart.plan.MULTITURN_DEFAULTS`; `emerge`:
+    `EMERGE_DEFAULTS`).
 
     Args:
         output_dir (`str`): Run folder (`summary.json`, `quickstart.png`, `tool_rl/`, `text_rl/`).
-        task (`str`): `arithmetic` (one code call per answer) or `multiturn` (dependent cells under a per-cell
-            length budget, and recovery from a failing cell; see `retool_trl.quickstart.multiturn`).
+        task (`str`): `arithmetic` (one code call per answer), `multiturn` (dependent cells under a per-cell
+            length budget, and recovery from a failing cell; see `retool_trl.quickstart.multiturn`) or `emerge` (the
+            arithmetic task from a checkpoint that almost never calls code; see `retool_trl.quickstart.emerge`).
         model (`str`, *optional*): Checkpoint to start from; the shipped quickstart model by default.
         max_steps (`int`): GRPO steps of each run.
         prompts_per_step (`int`): Problems per GRPO step.
@@ -60,7 +67,7 @@ class QuickstartArguments:
     """
 
     output_dir: str = field(default="retool_quickstart", metadata={"help": "Run folder."})
-    task: str = field(default="arithmetic", metadata={"help": "Task: 'arithmetic' or 'multiturn'."})
+    task: str = field(default="arithmetic", metadata={"help": "Task: 'arithmetic', 'multiturn' or 'emerge'."})
     model: str | None = field(default=None, metadata={"help": "Starting checkpoint (default: the shipped model)."})
     max_steps: int = field(default=50, metadata={"help": "GRPO steps of each run."})
     prompts_per_step: int = field(default=8, metadata={"help": "Problems per GRPO step."})
@@ -157,6 +164,10 @@ class TaskPlan:
         panels (`tuple`): Plot panels (`retool_trl.reporting.plotting.plot_comparison`).
         table (`Callable[[dict], str]`): The console table of the summary.
         run_kwargs (`dict`): Extra `train_run` arguments (reward functions, `eval_metrics`, `ReToolConfig` fields).
+        summarize (`Callable[[dict, dict], None]`, *optional*): Adds the task's figures to the runs' results, from
+            the runs' TRL `log_history` (`summarize(results, histories)`).
+        plot (`Callable`, *optional*): The run folder's plot, `plot(histories, results, path, title, footer, seed)`
+            -> path; by default `plot_comparison` of `panels`.
     """
 
     task: object
@@ -165,6 +176,8 @@ class TaskPlan:
     panels: tuple
     table: object
     run_kwargs: dict = field(default_factory=dict)
+    summarize: object = None
+    plot: object = None
 
 
 def quickstart_parser(parser_class):

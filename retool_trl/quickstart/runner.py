@@ -14,13 +14,18 @@ from pathlib import Path
 
 from ..reporting.plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
+from .emerge import emerge_plan
 from .multiturn import multiturn_plan
-from .plan import MULTITURN_DEFAULTS, RUNS, QuickstartArguments, quickstart_parser, rl_config
+from .plan import EMERGE_DEFAULTS, MULTITURN_DEFAULTS, RUNS, QuickstartArguments, quickstart_parser, rl_config
 from .seeds import parse_seeds, run_seeds
 
 # Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
 # sets none.
-PLANS = {"arithmetic": (arithmetic_plan, {}), "multiturn": (multiturn_plan, MULTITURN_DEFAULTS)}
+PLANS = {
+    "arithmetic": (arithmetic_plan, {}),
+    "multiturn": (multiturn_plan, MULTITURN_DEFAULTS),
+    "emerge": (emerge_plan, EMERGE_DEFAULTS),
+}
 
 
 def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, eval_metrics=None) -> dict:
@@ -148,6 +153,8 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
         torch.set_num_threads(threads)
         sandbox.close()
     histories = {name: results[name].pop("log_history") for name in RUNS}
+    if plan.summarize is not None:
+        plan.summarize(results, histories)
     title = (
         f"quickstart, task {args.task}: GRPO with the interpreter (tool_rl) vs text only (text_rl) · model "
         f"{Path(start).name} · seed {args.seed}"
@@ -156,9 +163,12 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
         f"retool-trl quickstart --task {args.task} --max-steps {args.max_steps} ({args.prompts_per_step} problems x "
         f"{args.num_generations} samples per step; held-out: {args.num_eval} problems) on {hardware()}."
     )
-    plot = plot_comparison(
-        histories, out / "quickstart.png", evals=results, panels=plan.panels, title=title, footer=footer
-    )
+    if plan.plot is not None:
+        plot = plan.plot(histories, results, out / "quickstart.png", title, footer, args.seed)
+    else:
+        plot = plot_comparison(
+            histories, out / "quickstart.png", evals=results, panels=plan.panels, title=title, footer=footer
+        )
     summary = {
         **results,
         "wall_s": round(time.perf_counter() - started, 1),

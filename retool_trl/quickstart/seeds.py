@@ -20,7 +20,9 @@ from .plan import RUNS
 REPORTED = (
     ("accuracy_before", "accuracy before", True),
     ("accuracy_after", "accuracy after", True),
+    ("code_ratio_before", "code ratio before", True),
     ("code_ratio_after", "code ratio after", True),
+    ("step_code_ratio_passed_50", "training samples' code ratio passed 50% at step", None),
     ("calls_per_completion_after", "calls per completion after", False),
     ("recovery_rate_before", "recovery before", True),
     ("recovery_rate_after", "recovery after", True),
@@ -79,7 +81,18 @@ def run_seeds(seeds: list[int], run, output_dir: str | Path = "retool_quickstart
     (out / "seeds.json").write_text(json.dumps(aggregate, indent=2) + "\n")
     table = seeds_table(aggregate)
     (out / "seeds.md").write_text(table + "\n")
-    plot = plot_seeds(aggregate, out / "seeds.png")
+    if "step_code_ratio" in summaries[seeds[0]]["tool_rl"]:  # a task that records per-step curves (emerge)
+        from .emerge import plot_emergence
+
+        task = kwargs.get("task", "arithmetic")
+        plot = plot_emergence(
+            summaries,
+            out / "seeds.png",
+            f"{task} quickstart over {len(seeds)} seeds: tool_rl vs text_rl from the same checkpoint",
+            f"retool-trl quickstart --task {task} --seeds {_span(seeds)} on CPU, {os.cpu_count()} cores",
+        )
+    else:
+        plot = plot_seeds(aggregate, out / "seeds.png")
     print("\n" + table)
     print(f"\n{len(seeds)} seeds in {aggregate['wall_s']:.0f} s; wrote {out / 'seeds.json'}, seeds.md and {plot.name}")
     return aggregate
