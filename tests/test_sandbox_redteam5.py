@@ -265,7 +265,32 @@ print("held", held >> 20)
 """
 
 
-@pytest.mark.parametrize("code", [_MEMFD, _SYSV], ids=["memfd", "sysv_shm"])
+# Shared anonymous maps (`mmap.mmap(-1, n)`, what multiprocessing uses): shmem pages, which /proc/PID/statm's
+# "shared" column holds, so resident minus shared hid them. Each child maps and fills one under its address-space
+# limit and holds it while the cell waits.
+_SHARED_ANON = f"""
+import mmap, os, time
+piece, pieces = {MEMORY_MB // 2} << 20, 6
+ready_r, ready_w = os.pipe()
+for _ in range(pieces):
+    if os.fork() == 0:
+        try:
+            area, chunk = mmap.mmap(-1, piece), b"x" * (1 << 20)
+            for offset in range(0, piece, len(chunk)):
+                area[offset : offset + len(chunk)] = chunk
+            os.write(ready_w, b"1")
+        except (OSError, MemoryError):
+            os.write(ready_w, b"0")
+        time.sleep(3)
+        os._exit(0)
+held = sum(piece for byte in os.read(ready_r, 1) + b"".join(os.read(ready_r, 1) for _ in range(pieces - 1))
+           if byte == ord("1"))
+time.sleep(0.5)
+print("held", held >> 20)
+"""
+
+
+@pytest.mark.parametrize("code", [_MEMFD, _SYSV, _SHARED_ANON], ids=["memfd", "sysv_shm", "shared_anon"])
 def test_memory_hidden_outside_the_resident_set_is_refused_or_counted(sandbox, code):
     """Root in a default container, and a normal user: no memory cgroup, and the watchdog sums private resident
     memory. A cell held 600 MB under memory_mb=256 in a memfd (in no process's resident set, outside RLIMIT_AS), or
@@ -323,6 +348,68 @@ print("written", written)
     written = [int(line.split()[1]) for line in r.output.splitlines() if line.startswith("written ")]
     assert not (r.ok and written and written[0] > SCRATCH_MB), r.output
     _healthy(sandbox)
+
+
+_DEEP = f"""
+import os, time
+for _ in range(20):  # 20 levels of 250-character names: past PATH_MAX from the scratch, reached by relative paths
+    os.mkdir("d" * 250)
+    os.chdir("d" * 250)
+written = 0
+try:
+    for i in range({2 * SCRATCH_MB // 4}):
+        with open(f"part-{{i}}.bin", "wb") as f:
+            f.write(os.urandom(4 << 20))
+        written += 4
+        time.sleep(0.05)
+except OSError as exc:
+    print("refused", exc.errno)
+time.sleep(0.5)
+print("written", written)
+"""
+
+_UNLISTABLE = f"""
+import os, time
+os.mkdir("hidden", 0o300)  # writable and enterable, not listable: by the zygote either where it is the same uid
+written = 0
+try:
+    for i in range({2 * SCRATCH_MB // 4}):
+        with open(f"hidden/part-{{i}}.bin", "wb") as f:
+            f.write(os.urandom(4 << 20))
+        written += 4
+        time.sleep(0.05)
+except OSError as exc:
+    print("refused", exc.errno)
+time.sleep(0.5)
+print("written", written)
+"""
+
+
+@pytest.mark.parametrize("code", [_DEEP, _UNLISTABLE], ids=["past_path_max", "unlistable_dir"])
+def test_scratch_the_watchdog_cannot_walk_still_counts(sandbox, code):
+    """A normal user (the zygote shares the cell's uid, so a directory of mode 0o300 is unlistable to it) and root in a
+    default container (paths past PATH_MAX): the scratch walk skipped what it could not open, so files there were
+    never counted. A tree the zygote cannot walk must count as over its bound, and the cell's writes must end."""
+    r = sandbox.session().run(code)
+    written = [int(line.split()[1]) for line in r.output.splitlines() if line.startswith("written ")]
+    assert not (r.ok and written and written[0] > SCRATCH_MB), r.output
+    _healthy(sandbox)
+
+
+def test_an_unlistable_directory_does_not_outlive_its_session(tmp_path):
+    """A normal user: the cell may not chmod, so a 0o300 directory it made stayed unremovable by a plain rmtree run
+    as the same uid, and the scratch leaked. The zygote's removal opens it up first. (Run as whoever runs the tests:
+    as root the plain removal already succeeds, and the test still checks that nothing is left.)"""
+    from retool_trl.sandbox.jail.watchdog import remove_scratch
+
+    scratch = tmp_path / "jscratch"
+    deep = scratch / "hidden" / "inner"
+    deep.mkdir(parents=True)
+    (deep / "f.bin").write_bytes(b"x" * 1000)
+    (scratch / "hidden" / "inner").chmod(0o300)
+    (scratch / "hidden").chmod(0o300)
+    remove_scratch(str(scratch))
+    assert not scratch.exists()
 
 
 def test_scratch_file_count_is_bounded(sandbox):

@@ -246,6 +246,24 @@ def test_bodies_headers_and_what_a_client_opens_are_bounded():
         srv.kill()
 
 
+def test_a_forwarded_for_header_does_not_make_a_new_client():
+    """Two server tenants on one host: uvicorn trusts `X-Forwarded-For` from loopback peers by default, so a local
+    tenant that wrote a new address in each request got a fresh per-client allowance each time. Past its bound it must
+    be refused whatever the header says. A body nested past the JSON parser's depth is a 400, not a 500."""
+    srv = ServerProcess("--workers", "1", "--max-sessions-per-client", "2")
+    try:
+        a = tenant("127.0.0.1")  # the address uvicorn trusts forwarded headers from by default
+        codes = [
+            a.post(f"{srv.url}/sessions", json={}, headers={"X-Forwarded-For": f"10.0.0.{i}"}).status_code
+            for i in range(4)
+        ]
+        assert codes == [200, 200, 429, 429], codes
+        deep = a.post(f"{srv.url}/sessions", content=b"[" * 200_000, headers={"Content-Type": "application/json"})
+        assert deep.status_code == 400, deep.text
+    finally:
+        srv.kill()
+
+
 class _Lowering(BaseHTTPRequestHandler):
     """A sessions server that confirms lower limits than asked (an older or a misconfigured server)."""
 

@@ -89,5 +89,8 @@ def main(argv: Sequence[str]) -> int:
         # A request head must come whole and soon: bounded in size (h11's limit) and in time (the protocol's).
         http=head_timeout_protocol(config.header_timeout_s),
         h11_max_incomplete_event_size=16 * 1024,
+        # Clients are told apart by their address (the per-client bounds): a forwarded-for header from a loopback
+        # peer, which uvicorn trusts by default, would let any local client claim a fresh address for each request.
+        proxy_headers=False,
     )
     return 0

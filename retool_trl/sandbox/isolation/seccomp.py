@@ -80,9 +80,16 @@ _METADATA_SYSCALLS = (
     "lremovexattr",
     "fremovexattr",
 )
-# (by number where libseccomp does not know them yet: setxattrat, removexattrat, file_setattr; the same numbers on
-# every architecture since the tables were unified at 424)
-_METADATA_SYSCALL_NUMBERS = {"setxattrat": 463, "removexattrat": 466, "file_setattr": 469}
+# (by number where libseccomp does not know them: the distributions' libseccomp 2.5 predates memfd_secret and
+# fchmodat2, and none knows setxattrat, removexattrat or file_setattr yet; the same numbers on every architecture since
+# the tables were unified at 424)
+_METADATA_SYSCALL_NUMBERS = {
+    "memfd_secret": 447,
+    "fchmodat2": 452,
+    "setxattrat": 463,
+    "removexattrat": 466,
+    "file_setattr": 469,
+}
 _SET_INODE_FLAGS_IOCTLS = (0x40086602, 0x40046602, 0x401C5820)  # FS_IOC_SETFLAGS, FS_IOC32_SETFLAGS, FS_IOC_FSSETXATTR
 # - memory that no process's resident set shows and no rlimit bounds, which outlives the processes that made it
 #   (memfd files passed around, SysV segments and queues, POSIX message queues): without a memory cgroup nothing
@@ -150,7 +157,7 @@ def seccomp_program(
 def _add_owner_rules(seccomp, rules, eperm: int) -> None:
     """The `confined_owner` part of the filter (see `_METADATA_SYSCALLS`)."""
     deny = seccomp.ERRNO(eperm)
-    for name in (*_METADATA_SYSCALLS, *_UNCOUNTED_MEMORY_SYSCALLS, *_METADATA_SYSCALL_NUMBERS):
+    for name in dict.fromkeys((*_METADATA_SYSCALLS, *_UNCOUNTED_MEMORY_SYSCALLS, *_METADATA_SYSCALL_NUMBERS)):
         number = seccomp.resolve_syscall(seccomp.Arch.NATIVE, name)
         if number < 0:
             number = _METADATA_SYSCALL_NUMBERS.get(name, -1)

@@ -6,15 +6,22 @@ directory tree holds more than `scratch_mb` of disk or `max_files` entries.
 What it bounds, and what it does not: each process keeps its own address-space limit (RLIMIT_AS) and each file its
 size limit (RLIMIT_FSIZE), both immediate; the sums are checked only at each sample, so a session can exceed them
 for up to one interval (threads start in tens of microseconds, files fill at the disk's speed); pages shared after a
-fork count once per process that maps them (an overestimate, never an underestimate of anonymous memory); a file
-deleted while held open is no longer in the tree (at most `max_open_files` x `max_file_size_mb` per process).
+fork, and shared anonymous maps, count once per process that maps them (an overestimate, never an underestimate of
+anonymous memory); a file deleted while held open is no longer in the tree (at most `max_open_files` x
+`max_file_size_mb` per process). A tree the zygote cannot list (a directory made unreadable, a path past PATH_MAX)
+counts as over its bound; a tree that takes long to walk is walked less often (the zygote spends at most about a
+tenth of its time on one session's tree), so a session with many files is checked with more slack, never not at all.
 Stdlib-only: the zygote imports it as a sibling script module.
 """
 
+import errno
 import os
+import shutil
+import time
 
 INTERVAL_S = 0.1
-_PAGE = os.sysconf("SC_PAGE_SIZE")
+WALK_SHARE = 0.1  # the most of the zygote's time one session's scratch walk may take, on average
+_next_walk = {}  # scratch directory -> when its tree is walked next (monotonic seconds)
 
 
 def process_tree(pid):
@@ -31,13 +38,18 @@ def process_tree(pid):
 
 
 def private_resident_bytes(pid):
-    """Resident memory of a process that no file backs (its heap, stacks, anonymous maps), from /proc/PID/statm."""
+    """Resident memory of a process that no file on disk backs: its heap, stacks and private anonymous maps
+    (`RssAnon`), and shared anonymous maps and tmpfs pages it maps (`RssShmem`: `mmap.mmap(-1, n)` is one, and
+    `statm`'s "shared" column would have hidden it), from /proc/PID/status."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            fields = f.read().split()
-        return max(0, int(fields[1]) - int(fields[2])) * _PAGE
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith((b"RssAnon:", b"RssShmem:")):
+                    total += int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
         return 0
+    return total
 
 
 def session_bounds(config):
@@ -70,16 +82,24 @@ def scratch_over(path, max_bytes, max_files):
                     entries += 1
                     try:
                         info = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
+                    except OSError as exc:
+                        if exc.errno == errno.ENOENT:  # removed meanwhile
+                            continue
+                        return True  # past PATH_MAX, or otherwise out of the zygote's reach: over its bound
                     used += info.st_blocks * 512
                     if used > max_bytes or entries > max_files:
                         return True
                     if entry.is_dir(follow_symlinks=False):
                         todo.append(entry.path)
-        except OSError:
-            continue
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # removed meanwhile: fine; unreadable or too deep to reach: over its bound
+                return True
     return False
+
+
+def scratch_due(scratch, now):
+    """Whether a session's scratch tree is due for a walk (see `WALK_SHARE`)."""
+    return now >= _next_walk.get(scratch, 0.0)
 
 
 def over_budget(pid, bounds, scratch=None):
@@ -90,8 +110,12 @@ def over_budget(pid, bounds, scratch=None):
         return pids, "processes"
     if bounds.get("memory") is not None and sum(private_resident_bytes(p) for p in pids) > bounds["memory"]:
         return pids, "memory"
-    if scratch and scratch_over(scratch, bounds["scratch"], bounds["files"]):
-        return pids, "scratch"
+    if scratch and scratch_due(scratch, start := time.monotonic()):
+        over = scratch_over(scratch, bounds["scratch"], bounds["files"])
+        took = time.monotonic() - start
+        _next_walk[scratch] = start + max(INTERVAL_S, took / WALK_SHARE) - INTERVAL_S
+        if over:
+            return pids, "scratch"
     return pids, None
 
 
@@ -99,6 +123,9 @@ def enforce(sessions, bounds):
     """Kills every session over its bound (`sessions`: `(pid, scratch directory or None)`), with all its processes
     (without a pid namespace they would outlive it); returns `{pid: reason}` for the sessions killed."""
     killed = {}
+    live = {scratch for _, scratch in sessions}
+    for gone in [path for path in _next_walk if path not in live]:
+        del _next_walk[gone]
     for pid, scratch in sessions:
         pids, reason = over_budget(pid, bounds, scratch)
         if reason is None:
@@ -110,6 +137,38 @@ def enforce(sessions, bounds):
             except OSError:
                 pass
     return killed
+
+
+def remove_scratch(path):
+    """Removes a dead session's scratch tree, with the directories its cell made unlistable (mode 0o300: the cell may
+    not chmod them back, the zygote may) opened up first where a plain removal left something."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        _open_up(fd)
+    except (OSError, RecursionError):
+        pass
+    finally:
+        os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _open_up(dir_fd):
+    """Gives the owner every right on each directory below `dir_fd` (relative names: no path grows past PATH_MAX)."""
+    with os.scandir(dir_fd) as listing:
+        names = [entry.name for entry in listing if entry.is_dir(follow_symlinks=False)]
+    for name in names:
+        os.chmod(name, 0o700, dir_fd=dir_fd)  # a directory of a dead session: nothing swaps it for a link now
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            _open_up(fd)
+        finally:
+            os.close(fd)
 
 
 def kill_strays(parent, keep):

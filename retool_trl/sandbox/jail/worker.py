@@ -16,7 +16,6 @@ import os
 import random
 import secrets
 import selectors
-import shutil
 import signal
 import socket
 import sys
@@ -42,7 +41,14 @@ from reaping import (  # noqa: E402
     weigh,
 )
 from session_process import session_main  # noqa: E402
-from watchdog import INTERVAL_S, enforce, kill_strays, scratch_unbounded, session_bounds  # noqa: E402
+from watchdog import (  # noqa: E402
+    INTERVAL_S,
+    enforce,
+    kill_strays,
+    remove_scratch,
+    scratch_unbounded,
+    session_bounds,
+)
 from wire import frame  # noqa: E402
 
 del sys.path[:1]
@@ -319,11 +325,11 @@ class _Zygote:
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
         try:
             if (pid := os.fork()) == 0:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_scratch(path)
                 os._exit(0)
             self.removers.add(pid)
         except OSError:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_scratch(path)
 
     def shutdown(self):
         for jail in list(self.jails.values()):

@@ -50,8 +50,8 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float):
         return None
     try:
         return json.loads(raw)
-    except ValueError:
-        raise BodyError(400, "the body is not valid JSON") from None
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes ([[[[...)
+        raise BodyError(400, "the body is not valid JSON (or nests too deep)") from None
 
 
 def head_timeout_protocol(timeout_s: float):
