@@ -117,6 +117,37 @@ def test_an_aborted_row_fails_alone_and_the_others_finish(monkeypatch, limit):
     assert result.model_text[0] == "ab \\boxed{1}" and result.completion_ids[0][-1] == EOS
 
 
+def test_a_failed_request_in_a_barrier_server_turn_reaches_every_process(monkeypatch):
+    """Several processes in server mode: only the main process sends requests (from threads), the others wait in
+    TRL's broadcast. A request the server refuses (here: a context limit the trainer was told larger than the
+    server's) raised on the main process alone, and the other processes waited in that broadcast until the process
+    group's timeout. Now the failure travels in the broadcast itself, and the error is raised after it, naming the
+    server's answer (the recorded broadcast is what every other process receives)."""
+    import test_correctness_round2
+    import trl.generation.vllm_generation as vllm_generation
+    from test_correctness_round2 import trl_server_helper
+
+    sent = []
+    helper_for = trl_server_helper
+
+    def recording_helper(*args, **kwargs):  # one process: TRL's broadcast hands the payload back as it is
+        made = helper_for(*args, **kwargs)
+        monkeypatch.setattr(vllm_generation, "broadcast_object_list", lambda xs, from_process=0: sent.append(xs[0]))
+        return made
+
+    monkeypatch.setattr(test_correctness_round2, "trl_server_helper", recording_helper)
+    prompt = ids_of("Q:")
+    server = VLLMLikeServer({tuple(prompt): Script(prompt, "ab \\boxed{1}")}, TOKENIZER, max_model_len=16)
+    spec = RolloutSpec(max_completion_length=30, eos_token_ids=[EOS], max_tool_calls=1, max_model_len=64)
+    try:
+        with pytest.raises(Exception, match="maximum context length"):
+            run_loop("barrier", server, [prompt], spec, monkeypatch)
+    finally:
+        server.close()
+    assert server.refused and sent, "the failure was raised before TRL's broadcast: the other processes would wait"
+    assert all("maximum context length" in str(ids) for ids in sent[-1][0])
+
+
 # ------------------------------------------------------------------------- evaluation under sandbox failures
 class FailsUnderEval:
     """A sandbox that fails for its own reasons (a lost worker, a service that drops the request) on every call of

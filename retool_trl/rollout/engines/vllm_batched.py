@@ -26,6 +26,12 @@ from .vllm_colocate import sleep_after_rollout, wake_for_rollout
 _MAX_CONCURRENT_REQUESTS = 64
 
 
+class FailedRequest(str):
+    """Stands for each row's prompt ids when a request of the main process failed (the server refused it, a
+    connection dropped). It travels in TRL's broadcast to every process, which then raises the same error: raised on
+    the main process alone, the others would wait in that broadcast until the process group's timeout."""
+
+
 class VLLMBackend:
     """Turn generation through TRL's own vLLM helper (`trainer.vllm_generation`, colocate or server mode).
 
@@ -121,6 +127,9 @@ class VLLMBackend:
                 echoed, completion_ids, logprobs = self._call(
                     prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
                 )
+            failed = next((e for e in echoed or () if isinstance(e, FailedRequest)), None)
+            if failed is not None:  # on every process alike, padding rows included
+                raise RuntimeError(f"the vLLM server failed a generation request: {failed}")
             for k, i in enumerate(rows):
                 if echoed is not None and echoed[k] is None:  # the server aborted this row's request
                     outputs[i] = TurnOutput([], [], aborted=True)
@@ -233,8 +242,12 @@ class VLLMBackend:
                 reply = send(prompts=[prompts[j] for j in part], max_tokens=max(wanted[j] for j in part), **sent)
                 return reply, reasons.value
 
-            with ThreadPoolExecutor(max_workers=max(1, min(len(parts), _MAX_CONCURRENT_REQUESTS))) as pool:
-                replies = list(pool.map(request, parts))
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, min(len(parts), _MAX_CONCURRENT_REQUESTS))) as pool:
+                    replies = list(pool.map(request, parts))
+            except Exception as exc:  # noqa: BLE001 - every process must learn it (see `FailedRequest`)
+                failed = FailedRequest(f"{type(exc).__name__}: {exc}")
+                return {"prompt_ids": [failed] * len(prompts), "completion_ids": [[]] * len(prompts), "logprobs": None}
             for part, (reply, finish_reasons) in zip(parts, replies, strict=True):
                 for key in ("completion_ids", "logprobs", "logprob_token_ids"):
                     if reply.get(key) is None:
