@@ -488,3 +488,37 @@ def test_every_test_the_threat_model_names_exists():
             assert f"def {test}(" in source, f"{current}::{test}"
             named += 1
     assert named >= 30, named
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching the file-system uid needs root (CAP_SETUID)")
+def test_whatever_raises_during_a_watch_leaves_the_trainer_its_own_credentials():
+    """Root in a default container: the trainer reads a session's /proc files with its fsuid set to the session's uid
+    and its capabilities raised. A signal handler that raised in that window (a Ctrl-C's KeyboardInterrupt, at any
+    bytecode of the main thread) could leave the thread with the session's ids, so that the checkpoint written next
+    belonged to the session's uid or failed. Whatever raises in the window, the thread's own ids and capabilities
+    must be back when it propagates."""
+    import signal as signals
+
+    from retool_trl.sandbox.isolation.fsuid import acting_as
+
+    def fs_ids():
+        with open("/proc/thread-self/status") as f:
+            fields = {line.split(":")[0]: line.split()[1:] for line in f}
+        return int(fields["Uid"][3]), int(fields["Gid"][3]), fields["CapEff"][0]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    before = fs_ids()
+    previous = signals.signal(signals.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), acting_as(54321):
+            assert fs_ids()[:2] == (54321, 54321)
+            os.kill(os.getpid(), signals.SIGUSR1)
+            time.sleep(1)  # the handler raises at the next bytecode
+        assert fs_ids() == before
+        with pytest.raises(ValueError), acting_as(54321):
+            raise ValueError("the body failed")
+        assert fs_ids() == before
+    finally:
+        signals.signal(signals.SIGUSR1, previous)

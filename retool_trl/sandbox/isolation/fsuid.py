@@ -55,35 +55,33 @@ def pread_as(uid: int | None, fd: int, size: int) -> bytes:
     `pread` where `uid` is None."""
     if uid is None:
         return os.pread(fd, size, 0)
-    libc, header, raised, original = _calls()
-    libc.setfsgid(uid)
-    libc.setfsuid(uid)
-    try:
-        libc.capset(header, raised)
+    with acting_as(uid):
         return os.pread(fd, size, 0)
-    finally:
-        libc.setfsuid(os.geteuid())
-        libc.setfsgid(os.getegid())
-        libc.capset(header, original)
 
 
 @contextlib.contextmanager
 def acting_as(uid: int | None):
-    """Runs the body with this thread's fsuid and fsgid set to `uid`, as `pread_as` does (nothing where None): to open
-    a session's `/proc/PID/fd/N`, say, which asks the same as its `syscall` file."""
+    """Runs the body with this thread's fsuid and fsgid set to `uid` and its permitted capabilities effective, as
+    `pread_as` does (nothing where None): to open a session's `/proc/PID/fd/N`, say, which asks the same as its
+    `syscall` file. Whatever raises in the window (the body, or a signal handler: a Ctrl-C's KeyboardInterrupt runs
+    at any bytecode of the main thread), the thread's own ids and capabilities are restored before it propagates;
+    the restore is checked, and one that did not take raises."""
     if uid is None:
         yield
         return
     libc, header, raised, original = _calls()
-    libc.setfsgid(uid)
-    libc.setfsuid(uid)
     try:
+        libc.setfsgid(uid)
+        libc.setfsuid(uid)
         libc.capset(header, raised)
         yield
     finally:
         libc.setfsuid(os.geteuid())
         libc.setfsgid(os.getegid())
-        libc.capset(header, original)
+        restored = libc.capset(header, original) == 0
+        # setfsuid/setfsgid of an invalid id change nothing and return the current one.
+        if not restored or libc.setfsuid(-1) != os.geteuid() or libc.setfsgid(-1) != os.getegid():
+            raise OSError("could not restore the trainer thread's file-system ids and capabilities")
 
 
 # A stand-in session: its own uid, CAP_DAC_OVERRIDE kept as a session keeps it, dumpable, blocked reading stdin.
