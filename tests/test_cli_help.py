@@ -50,7 +50,7 @@ def test_quickstart_help_gives_each_option_one_default():
     flat = " ".join(text.split())
     assert "(default: None)" not in flat
     assert flat.count("the shipped model") == 1
-    assert "(default: 50; multiturn: 60)" in flat  # the per-task defaults are still named
+    assert "(default: 50; multiturn: 60; emerge: 120)" in flat  # the per-task defaults are still named
 
 
 def test_eval_help_lists_multiturn_and_what_eval_parses():
