@@ -25,6 +25,7 @@ import traceback
 # The sibling modules of this folder (the jail side, stdlib-only): python -I puts no script directory on sys.path,
 # and cells must not find these modules there either, so the directory is on it for these imports only.
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+import watchdog  # noqa: E402
 from freezer import set_frozen  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail  # noqa: E402
 from reaping import (  # noqa: E402
@@ -41,14 +42,7 @@ from reaping import (  # noqa: E402
     weigh,
 )
 from session_process import session_main  # noqa: E402
-from watchdog import (  # noqa: E402
-    INTERVAL_S,
-    enforce,
-    kill_strays,
-    remove_scratch,
-    scratch_unbounded,
-    session_bounds,
-)
+from watchdog import INTERVAL_S, enforce, kill_strays, scratch_unbounded, session_bounds  # noqa: E402
 from wire import frame  # noqa: E402
 
 del sys.path[:1]
@@ -325,11 +319,11 @@ class _Zygote:
         """Removes a scratch directory in a child: a million files cost that child, not the other sessions."""
         try:
             if (pid := os.fork()) == 0:
-                remove_scratch(path)
+                watchdog.remove_scratch(path)
                 os._exit(0)
             self.removers.add(pid)
         except OSError:
-            remove_scratch(path)
+            watchdog.remove_scratch(path)
 
     def shutdown(self):
         for jail in list(self.jails.values()):
