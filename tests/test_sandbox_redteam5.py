@@ -330,59 +330,41 @@ def test_scratch_is_bounded_as_a_tree(sandbox):
     """Root in a default container, and a normal user: the scratch lies on the host's temp file system (often the
     checkpoint disk) and only each file was bounded, so a cell wrote 75 MB under scratch_mb=32 in several files. Two
     times `scratch_mb` in files under the per-file bound must fail or end the session."""
-    code = f"""
-import os, time
-written = 0
-try:
-    for i in range({2 * SCRATCH_MB // 4}):
-        with open(f"part-{{i}}.bin", "wb") as f:
-            f.write(os.urandom(4 << 20))
-        written += 4
-        time.sleep(0.02)
-except OSError as exc:
-    print("refused", exc.errno)
-time.sleep(0.5)
-print("written", written)
-"""
-    r = sandbox.session().run(code)
-    written = [int(line.split()[1]) for line in r.output.splitlines() if line.startswith("written ")]
-    assert not (r.ok and written and written[0] > SCRATCH_MB), r.output
+    r = sandbox.session().run(fill_scratch(pause_s=0.02))
+    assert not wrote_past_scratch(r), r.output
     _healthy(sandbox)
 
 
-_DEEP = f"""
+def fill_scratch(setup: str = "", into: str = "", pause_s: float = 0.05) -> str:
+    """A cell that writes two times `scratch_mb` in 4 MB files (each under the per-file bound) into `into` after
+    running `setup`, then says how much it wrote."""
+    return f"""
 import os, time
-for _ in range(20):  # 20 levels of 250-character names: past PATH_MAX from the scratch, reached by relative paths
-    os.mkdir("d" * 250)
-    os.chdir("d" * 250)
+{setup}
 written = 0
 try:
     for i in range({2 * SCRATCH_MB // 4}):
-        with open(f"part-{{i}}.bin", "wb") as f:
+        with open(f"{into}part-{{i}}.bin", "wb") as f:
             f.write(os.urandom(4 << 20))
         written += 4
-        time.sleep(0.05)
+        time.sleep({pause_s})
 except OSError as exc:
     print("refused", exc.errno)
 time.sleep(0.5)
 print("written", written)
 """
 
-_UNLISTABLE = f"""
-import os, time
-os.mkdir("hidden", 0o300)  # writable and enterable, not listable: by the zygote either where it is the same uid
-written = 0
-try:
-    for i in range({2 * SCRATCH_MB // 4}):
-        with open(f"hidden/part-{{i}}.bin", "wb") as f:
-            f.write(os.urandom(4 << 20))
-        written += 4
-        time.sleep(0.05)
-except OSError as exc:
-    print("refused", exc.errno)
-time.sleep(0.5)
-print("written", written)
-"""
+
+def wrote_past_scratch(result) -> bool:
+    """Whether a `fill_scratch` cell ended well having written more than `scratch_mb`."""
+    written = [int(line.split()[1]) for line in result.output.splitlines() if line.startswith("written ")]
+    return bool(result.ok and written and written[0] > SCRATCH_MB)
+
+
+# 20 levels of 250-character names: past PATH_MAX from the scratch, reached by relative paths.
+_DEEP = fill_scratch('for _ in range(20):\n    os.mkdir("d" * 250)\n    os.chdir("d" * 250)')
+# Writable and enterable, not listable: by the zygote either where it is the same uid.
+_UNLISTABLE = fill_scratch('os.mkdir("hidden", 0o300)', into="hidden/")
 
 
 @pytest.mark.parametrize("code", [_DEEP, _UNLISTABLE], ids=["past_path_max", "unlistable_dir"])
@@ -391,8 +373,7 @@ def test_scratch_the_watchdog_cannot_walk_still_counts(sandbox, code):
     default container (paths past PATH_MAX): the scratch walk skipped what it could not open, so files there were
     never counted. A tree the zygote cannot walk must count as over its bound, and the cell's writes must end."""
     r = sandbox.session().run(code)
-    written = [int(line.split()[1]) for line in r.output.splitlines() if line.startswith("written ")]
-    assert not (r.ok and written and written[0] > SCRATCH_MB), r.output
+    assert not wrote_past_scratch(r), r.output
     _healthy(sandbox)
 
 
