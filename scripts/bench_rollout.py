@@ -13,11 +13,13 @@ Plus a step benchmark: `ReToolTrainer` vs `GRPOTrainer` training steps on the sa
     python scripts/bench_rollout.py [--batch 32] [--repeats 3] [--json]
 
 With `--backend vllm` (in `.venv-engines/`, see `scripts/test_engines.sh`): the shipped quickstart model through a
-real colocated vLLM engine (CPU build), greedy. The interleaved rollout runs first; then plain vLLM generate makes
-exactly as many tokens per row (`min_tokens = max_tokens`, EOS ignored) in one call. Prints the per-token ratio
-`vllm_rollout_vs_generate` and where the rollout's extra time goes (engine calls, sandbox, everything else).
+real colocated vLLM engine (CPU build), greedy, the batch sized as one training step's generation batch (every row in
+the engine's batch at once). Both rollout modes (async, the default, and barrier) make the same tokens; plain vLLM
+generate then makes exactly as many tokens per row (`max_tokens` per row, EOS ignored) in one call, all alternated.
+Prints `vllm_rollout_vs_generate` (the default mode) and `vllm_barrier_vs_generate`, and vLLM's own account of
+each: engine steps, sequences per step, prefill steps and tokens, time outside the engine's steps.
 
-    .venv-engines/bin/python scripts/bench_rollout.py --backend vllm [--batch 32] [--repeats 3] [--json]
+    .venv-engines/bin/python scripts/bench_rollout.py --backend vllm [--batch 32] [--repeats 3] [--kv-block-size 32] [--json]
 """
 
 from __future__ import annotations
@@ -152,6 +154,13 @@ def main():
         choices=("transformers", "vllm"),
         default="transformers",
         help="vllm: the rollout through a real vLLM engine against vLLM's plain generate",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=None,
+        help="with --backend vllm: the engine's KV block size in tokens (default: the build's own, 128 on CPU; GPU "
+        "builds use 16); the prefix cache serves a continued turn in whole blocks",
     )
     results_log.add_arguments(parser)
     args = parser.parse_args()

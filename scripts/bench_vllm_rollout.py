@@ -48,8 +48,10 @@ def _timed(obj, name: str, clock: _Clock):
 
 class _EngineMeter:
     """vLLM's own account of what a generator cost: the engine steps it took (each timed: scheduling, the forward
-    and output processing) and, from each finished request, the prompt tokens prefilled (its prompt less vLLM's
-    `num_cached_tokens`, the prefix-cache hits)."""
+    and output processing), the sequences each step carried (a step's cost on a small model is mostly fixed, so a
+    step that carries few sequences is the expensive kind), the steps that prefilled prompt tokens and, from each
+    finished request, the prompt tokens prefilled (its prompt less vLLM's `num_cached_tokens`, the prefix-cache
+    hits)."""
 
     def __init__(self, engine):
         self.reset()
@@ -68,23 +70,63 @@ class _EngineMeter:
                     self.cached += cached
             return outputs
 
-        engine.step = counted_step  # LLM.generate steps its engine through this attribute
+        engine.step = counted_step  # LLM.generate and the async engine step their engine through this attribute
+        # The engine core runs in this process (TRL starts it with the external launcher): its scheduler says what
+        # each step carried.
+        scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+        if scheduler is not None:
+            schedule = scheduler.schedule
+
+            def counted_schedule(*args, **kwargs):
+                out = schedule(*args, **kwargs)
+                running = len(out.num_scheduled_tokens)
+                if running:
+                    self.sequences += running
+                    self.prefill_steps += out.total_num_scheduled_tokens > running
+                return out
+
+            scheduler.schedule = counted_schedule
 
     def reset(self):
         self.steps, self.step_s, self.requests, self.prefilled, self.cached = 0, 0.0, 0, 0, 0
+        self.sequences, self.prefill_steps = 0, 0
 
     def snapshot(self) -> dict:
         return {
             "steps": self.steps,
             "step_ms": 1e3 * self.step_s / max(1, self.steps),
+            "step_s": self.step_s,
             "requests": self.requests,
             "prefilled": self.prefilled,
             "cached": self.cached,
+            "sequences_per_step": self.sequences / max(1, self.steps),
+            "prefill_steps": self.prefill_steps,
         }
 
 
 def _spread(values) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@contextmanager
+def _kv_block_size(size: int | None):
+    """vLLM's KV block size for the colocated engine TRL builds (`block_size` passed to its `LLM`). The CPU build
+    defaults to 128-token blocks; GPU builds use 16. A benchmark setting only: it changes how much of a continued
+    turn the prefix cache can serve (whole blocks only)."""
+    if not size:
+        yield
+        return
+    import trl.generation.vllm_generation as helper_module
+
+    original = helper_module.LLM
+    helper_module.LLM = lambda *args, **kwargs: original(*args, **{**kwargs, "block_size": size})
+    try:
+        yield
+    finally:
+        helper_module.LLM = original
+
+
+ROLLOUTS = ("async", "barrier")  # ReToolConfig.rollout_mode: the default first
 
 
 def bench_vllm(args) -> None:
@@ -98,13 +140,17 @@ def bench_vllm(args) -> None:
     from retool_trl.quickstart import model_path
     from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
     from retool_trl.rollout.engines.vllm_batched import VLLMBackend
+    from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
+    from retool_trl.rollout.per_completion import async_rollout
     from retool_trl.sandbox import LocalSandbox
 
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     dataset = make_arithmetic_dataset(args.batch, seed=3)
     config = ReToolConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_vllm_"),
-        per_device_train_batch_size=8,
+        # One training step's generation batch: TRL sizes the engine's `max_num_seqs` to it, so every row of the
+        # rollout is in the engine's batch at once, as in training.
+        per_device_train_batch_size=args.batch,
         num_generations=8,
         max_completion_length=64,
         max_tool_calls=2,
@@ -119,13 +165,14 @@ def bench_vllm(args) -> None:
         disable_tqdm=True,
     )
     started = time.perf_counter()
-    trainer = ReToolTrainer(
-        model_path(),
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        sandbox=LocalSandbox(num_workers=2, timeout_s=5.0),
-    )
+    with _kv_block_size(args.kv_block_size):
+        trainer = ReToolTrainer(
+            model_path(),
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            sandbox=LocalSandbox(num_workers=2, timeout_s=5.0),
+        )
     engine_start_s = time.perf_counter() - started
     helper, sandbox = trainer.vllm_generation, trainer.sandbox
     helper.temperature = 0.0  # greedy: every repeat makes the same tokens
@@ -137,10 +184,15 @@ def bench_vllm(args) -> None:
     _timed(sandbox, "run_many", sandbox_clock)
     meter = _EngineMeter(helper.llm.llm_engine)
 
-    def rollout():
+    def barrier():
         return interleaved_rollout(prompts, VLLMBackend(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
 
-    result = rollout()  # warm-up, and the token counts the plain generate must match
+    def per_completion():
+        return async_rollout(prompts, ColocateEngine(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
+
+    rollouts = {"async": per_completion, "barrier": barrier}
+    result = barrier()  # warm-up, and the token counts the plain generate must match
+    assert per_completion().completion_ids == result.completion_ids, "the async and barrier rollouts differ"
     lengths = [len(ids) for ids in result.completion_ids]
     sampled = [sum(mask) for mask in result.interpreter_mask]  # tokens the policy wrote (no interpreter tokens)
 
@@ -154,99 +206,117 @@ def bench_vllm(args) -> None:
 
     assert plain() == lengths, "plain generate made a different number of tokens"
     assert plain(sampled) == sampled
-    times = {"rollout": [], "plain": [], "plain_sampled": []}
+    generators = {**rollouts, "plain": plain, "plain_sampled": lambda: plain(sampled)}
+    times = {name: [] for name in generators}
+    metered = {name: [] for name in generators}
     engine_s, sandbox_s = [], []
-    metered = {name: [] for name in times}
-    for _ in range(args.repeats):
-        engine_clock.seconds = sandbox_clock.seconds = 0.0
-        meter.reset()
-        start = time.perf_counter()
-        again = rollout()
-        times["rollout"].append(time.perf_counter() - start)
-        metered["rollout"].append(meter.snapshot())
-        engine_s.append(engine_clock.seconds)
-        sandbox_s.append(sandbox_clock.seconds)
-        assert again.completion_ids == result.completion_ids, "greedy rollout changed between repeats"
-        meter.reset()
-        start = time.perf_counter()
-        plain()
-        times["plain"].append(time.perf_counter() - start)
-        metered["plain"].append(meter.snapshot())
-        meter.reset()
-        start = time.perf_counter()
-        plain(sampled)
-        times["plain_sampled"].append(time.perf_counter() - start)
-        metered["plain_sampled"].append(meter.snapshot())
+    for repeat in range(args.repeats):
+        for name, generate in generators.items():  # alternated: load drifts hit every generator alike
+            engine_clock.seconds = sandbox_clock.seconds = 0.0
+            meter.reset()
+            start = time.perf_counter()
+            out = generate()
+            times[name].append(time.perf_counter() - start)
+            metered[name].append(meter.snapshot())
+            if name == "barrier":
+                engine_s.append(engine_clock.seconds)
+                sandbox_s.append(sandbox_clock.seconds)
+            if name in rollouts:
+                assert out.completion_ids == result.completion_ids, f"greedy {name} rollout changed between repeats"
+        print(f"  repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()))
     trainer.close_sandbox()
-    rollout_s, plain_s = statistics.median(times["rollout"]), statistics.median(times["plain"])
-    plain_sampled_s = statistics.median(times["plain_sampled"])
+    wall = {name: statistics.median(values) for name, values in times.items()}
     engine_med, sandbox_med = statistics.median(engine_s), statistics.median(sandbox_s)
-    other_s = rollout_s - engine_med - sandbox_med
-    # Per alternated run: the rollout over the plain generate made right after it.
-    ratio = _spread([r / p for r, p in zip(times["rollout"], times["plain"], strict=True)])
-    ratio_sampled = _spread([r / p for r, p in zip(times["rollout"], times["plain_sampled"], strict=True)])
+    other_s = wall["barrier"] - engine_med - sandbox_med
+    # Per alternated run: each rollout over the plain generate made in the same repeat.
+    ratios = {
+        (name, base): _spread([r / p for r, p in zip(times[name], times[base], strict=True)])
+        for name in rollouts
+        for base in ("plain", "plain_sampled")
+    }
     tokens, interp = sum(lengths), sum(len(m) - sum(m) for m in result.interpreter_mask)
     calls, turns, engine_calls = sum(result.num_tool_calls), max(result.num_turns), result.engine_calls[0]
+    cache = getattr(getattr(helper.llm.llm_engine, "vllm_config", None), "cache_config", None)
+    block = getattr(cache, "block_size", None)
+    max_seqs = getattr(getattr(helper.llm.llm_engine.vllm_config, "scheduler_config", None), "max_num_seqs", None)
 
     print(
-        f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch}, {tokens} "
-        f"tokens ({interp} interpreter), {calls} code calls, {turns} turns, {engine_calls} engine calls, "
-        f"median of {args.repeats} alternated runs"
+        f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch} (max_num_seqs "
+        f"{max_seqs}), KV blocks of {block} tokens, {tokens} tokens ({interp} interpreter), {calls} code calls, "
+        f"{turns} turns, median of {args.repeats} alternated runs"
     )
-    print(f"{'generator':<48}{'wall s':>10}{'x plain':>10}")
-    print(f"{'vLLM plain generate (same tokens, one call)':<48}{plain_s:>10.3f}{1.0:>10.2f}")
+    print(f"{'generator':<52}{'wall s':>10}{'x plain':>10}  (min-max)")
+    labels = {
+        "plain": "vLLM plain generate (same tokens, one call)",
+        "plain_sampled": "vLLM plain generate (sampled tokens only)",
+        "async": "rollout, async (per completion; the default)",
+        "barrier": "rollout, barrier (one engine call per turn)",
+    }
+    for name in ("plain", "plain_sampled", *rollouts):
+        spread = ratios.get((name, "plain")) or _spread([s / p for s, p in zip(times[name], times["plain"])])
+        print(
+            f"{labels[name]:<52}{wall[name]:>10.3f}{spread['median']:>10.2f}  "
+            f"({spread['min']:.2f}-{spread['max']:.2f})"
+        )
     print(
-        f"{'vLLM plain generate (sampled tokens only)':<48}{plain_sampled_s:>10.3f}{plain_sampled_s / plain_s:>10.2f}"
-    )
-    print(f"{'ReTool interleaved rollout through vLLM':<48}{rollout_s:>10.3f}{ratio['median']:>10.2f}")
-    print(
-        f"rollout / plain generate, per alternated run: median {ratio['median']:.2f} (min {ratio['min']:.2f}, "
-        f"max {ratio['max']:.2f}); over the sampled tokens only: median {ratio_sampled['median']:.2f} "
-        f"(min {ratio_sampled['min']:.2f}, max {ratio_sampled['max']:.2f})"
-    )
-    print(
-        f"  of which engine calls: {engine_med:.3f} s, sandbox: {sandbox_med:.3f} s, "
-        f"rest (decode, stop search, encode, bookkeeping): {other_s:.3f} s"
+        f"  barrier rollout: engine calls {engine_med:.3f} s, sandbox {sandbox_med:.3f} s, "
+        f"rest (decode, stop search, encode, bookkeeping) {other_s:.3f} s"
     )
     print(f"engine start (colocated LLM load, once per training run): {engine_start_s:.1f} s")
     # Counts are the same every repeat (greedy, same tokens); the per-step time is each run's, medianed.
-    meters = {
-        name: {**runs[-1], "step_ms": statistics.median(r["step_ms"] for r in runs)} for name, runs in metered.items()
-    }
+    meters = {}
+    for name, runs in metered.items():
+        meters[name] = {
+            **runs[-1],
+            "step_ms": statistics.median(r["step_ms"] for r in runs),
+            "outside_steps_s": statistics.median(t - r["step_s"] for t, r in zip(times[name], runs, strict=True)),
+        }
+    print(f"{'':<14}{'steps':>7}{'ms/step':>9}{'seqs/step':>11}{'prefill steps':>15}{'prefilled':>11}"
+          f"{'cached':>8}{'requests':>10}{'outside steps s':>17}")
     for name, m in meters.items():
         print(
-            f"  {name:<14} engine steps {m['steps']:>4}, {m['step_ms']:.2f} ms per step (median), "
-            f"{m['requests']} requests, {m['prefilled']} prompt tokens prefilled ({m['cached']} from the prefix cache)"
+            f"  {name:<12}{m['steps']:>7}{m['step_ms']:>9.2f}{m['sequences_per_step']:>11.1f}{m['prefill_steps']:>15}"
+            f"{m['prefilled']:>11}{m['cached']:>8}{m['requests']:>10}{m['outside_steps_s']:>17.3f}"
         )
-    figures = {
-        "vllm_rollout_vs_generate": round(ratio["median"], 4),
-        "vllm_rollout_vs_generate_min": round(ratio["min"], 4),
-        "vllm_rollout_vs_generate_max": round(ratio["max"], 4),
-        "vllm_rollout_vs_generate_sampled": round(ratio_sampled["median"], 4),
-        "vllm_rollout_vs_generate_sampled_min": round(ratio_sampled["min"], 4),
-        "vllm_rollout_vs_generate_sampled_max": round(ratio_sampled["max"], 4),
-        "repeats": args.repeats,
-        "rollout_s": round(rollout_s, 4),
-        "plain_generate_sampled_s": round(plain_sampled_s, 4),
-        "plain_generate_s": round(plain_s, 4),
-        "engine_calls_s": round(engine_med, 4),
-        "sandbox_s": round(sandbox_med, 4),
-        "other_s": round(other_s, 4),
-        "engine_start_s": round(engine_start_s, 2),
-        "engine_calls": engine_calls,
-        "turns": turns,
-        "tool_calls": calls,
-        "tokens": tokens,
-        "interpreter_tokens": interp,
-        "batch": args.batch,
-        "mode": "colocate",
-    }
-    cache = getattr(getattr(helper.llm.llm_engine, "vllm_config", None), "cache_config", None)
-    figures["kv_block_size"] = getattr(cache, "block_size", None)  # a continued turn re-prefills its last block
-    figures["prefix_caching"] = getattr(cache, "enable_prefix_caching", None)
-    for prefix, m in meters.items():
+    figures = {}
+    for name, key in (("async", "vllm_rollout_vs_generate"), ("barrier", "vllm_barrier_vs_generate")):
+        for base, suffix in (("plain", ""), ("plain_sampled", "_sampled")):
+            spread = ratios[(name, base)]
+            figures[f"{key}{suffix}"] = round(spread["median"], 4)
+            figures[f"{key}{suffix}_min"] = round(spread["min"], 4)
+            figures[f"{key}{suffix}_max"] = round(spread["max"], 4)
+    figures.update(
+        {
+            "rollout_mode": "async",  # the mode of vllm_rollout_vs_generate (ReToolConfig's default)
+            "repeats": args.repeats,
+            "rollout_s": round(wall["async"], 4),
+            "barrier_rollout_s": round(wall["barrier"], 4),
+            "plain_generate_sampled_s": round(wall["plain_sampled"], 4),
+            "plain_generate_s": round(wall["plain"], 4),
+            "engine_calls_s": round(engine_med, 4),
+            "sandbox_s": round(sandbox_med, 4),
+            "other_s": round(other_s, 4),
+            "engine_start_s": round(engine_start_s, 2),
+            "engine_calls": engine_calls,
+            "turns": turns,
+            "tool_calls": calls,
+            "tokens": tokens,
+            "interpreter_tokens": interp,
+            "batch": args.batch,
+            "max_num_seqs": max_seqs,
+            "mode": "colocate",
+            "kv_block_size": block,  # a continued turn re-prefills its last, partly filled block
+            "kv_block_size_set": bool(args.kv_block_size),
+            "prefix_caching": getattr(cache, "enable_prefix_caching", None),
+        }
+    )
+    for prefix, name in (("rollout", "async"), ("barrier", "barrier"), ("plain", "plain"), ("plain_sampled", "plain_sampled")):
+        m = meters[name]
         figures[f"{prefix}_engine_steps"] = m["steps"]
         figures[f"{prefix}_step_ms"] = round(m["step_ms"], 3)
+        figures[f"{prefix}_sequences_per_step"] = round(m["sequences_per_step"], 2)
+        figures[f"{prefix}_prefill_steps"] = m["prefill_steps"]
+        figures[f"{prefix}_outside_steps_s"] = round(m["outside_steps_s"], 4)
         figures[f"{prefix}_engine_requests"] = m["requests"]
         figures[f"{prefix}_prefill_tokens"] = m["prefilled"]
         figures[f"{prefix}_cached_tokens"] = m["cached"]

@@ -6,7 +6,8 @@ hand-written. Under each table a line names its source: the results file, the li
 commit, cores and load they were measured at. A line measured with another command than the one the page shows
 (other flags, or recorded before runs logged their conditions) says so in that line.
 
-The emergence quickstart's table and plot come from `render_quickstart`; its plot is redrawn on a rewrite (`--check`
+The emergence quickstart's table and plot come from `render_quickstart`, the sandbox server's capacity table and plot
+from `render_capacity`; their plots are redrawn on a rewrite (`--check`
 compares the tables only).
 
     python scripts/render_figures.py           # rewrite the tables in place
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import render_capacity
 import render_quickstart
 import results_log
 
@@ -414,6 +416,7 @@ def blocks(directory: Path) -> dict[str, str]:
     for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD):
         rendered[table.benchmark] = render_table(table, directory)
     rendered.update(render_quickstart.blocks(directory))
+    rendered.update(render_capacity.blocks(directory))
     return rendered
 
 
@@ -453,6 +456,7 @@ def main(argv=None) -> int:
                 path.write_text(new)
     if not args.check:
         render_quickstart.draw(args.root / "scripts" / "results")
+        render_capacity.draw(args.root / "scripts" / "results")
     if args.check and stale:
         print(
             f"figures in {', '.join(stale)} differ from scripts/results/*.jsonl: run python scripts/render_figures.py",

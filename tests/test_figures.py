@@ -107,3 +107,48 @@ def test_the_interpreter_path_does_not_make_another_command(command):
     """The same benchmark run from another interpreter path measures the same thing: not flagged as different."""
     key = render_figures.command_key(f"{command} scripts/bench_rollout.py --backend vllm --json")
     assert key == ("scripts/bench_rollout.py", "--backend", "vllm")
+
+
+def _capacity_row(sessions: int, rate: float, failures: dict) -> dict:
+    row = {"sessions": sessions, "runs": 3, "calls": 3 * sessions, "failures_by_kind": failures}
+    for key, value in (("calls_per_s_per_core", rate), ("p50_ms", 12.0), ("p99_ms", 900.0)):
+        row.update({key: value, f"{key}_min": value * 0.9, f"{key}_max": value * 1.1})
+    row["intended_failures"] = {"cell_error": 30, "cell_timeout": 3}
+    return row
+
+
+def test_the_capacity_table_and_its_extrapolation_come_from_the_newest_line(tmp_path, monkeypatch):
+    """A user sizing a node reads the capacity table: every figure, the arithmetic of the per-node sentence, and a
+    failure the load did not mean (flagged, not hidden among the intended ones) come from the results line."""
+    import render_capacity
+
+    monkeypatch.setenv("RETOOL_RESULTS_DIR", str(tmp_path))
+    old = {"capacity": [_capacity_row(64, 1.0, {})], "baseline": [_capacity_row(64, 0.5, {})], "cpu_count": 2}
+    new = {
+        "capacity": [_capacity_row(64, 40.0, {"cell_error": 30}), _capacity_row(1024, 50.0, {"cell_error": 30})],
+        "baseline": [_capacity_row(64, 4.0, {}), _capacity_row(1024, 5.0, {"sandbox_error": 2})],
+        "cpu_count": 2,
+        "workers": 2,
+        "isolation": "bwrap",
+        "max_cell_ms": 1000.0,
+    }
+    for line in (old, new):
+        results_log.record("sandbox_capacity", line, {"command": render_capacity.COMMAND}, enabled=True)
+    text = render_capacity.blocks(tmp_path)["sandbox_capacity"]
+    assert "| 1,024 | `retool-trl sandbox-server` | **50.0 (45.0-55.0)** |" in text
+    assert "| 64 | subprocess per call | 4.0 (3.6-4.4) |" in text
+    assert "cell_error 30 (meant 30)" in text and "sandbox_error 2 (**not meant**)" in text
+    # 64 cores x 50 calls/s per core = 3,200 calls/s; 1,536 calls in 0.48 s, and 1,536 / (64 x 5) = 4.8 s.
+    assert "64 x 50.0 = 3,200 calls/s, a step's 1,536 calls in 0.5 s (subprocess per call: 4.8 s)" in text
+    assert "an extrapolation, not a measurement" in text and "line 2" in text
+    png = render_capacity.draw(tmp_path)
+    assert png is not None and png.stat().st_size > 10_000
+
+
+def test_no_page_repeats_a_section():
+    """A merge that pasted a section twice leaves a reader two versions of the same facts, one stale: every page's
+    headings are unique."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        headings = [line for line in page.read_text().splitlines() if re.match(r"#{1,4} ", line)]
+        repeated = sorted({h for h in headings if headings.count(h) > 1})
+        assert not repeated, f"{page.name} repeats {repeated}"
