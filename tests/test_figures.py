@@ -48,7 +48,15 @@ def test_every_page_has_its_figure_blocks():
     readme = (ROOT / "README.md").read_text()
     perf = (ROOT / "docs" / "performance.md").read_text()
     assert "<!-- figures:readme -->" in readme
-    for name in ("rollout", "vllm_rollout", "async_rollout", "async_rollout_gpu_model", "sandbox", "sandbox_scale"):
+    for name in (
+        "rollout",
+        "vllm_rollout",
+        "async_rollout",
+        "async_rollout_gpu_model",
+        "sandbox",
+        "sandbox_scale",
+        "sandbox_capacity",
+    ):
         assert f"<!-- figures:{name} -->" in perf, name
 
 

@@ -27,6 +27,7 @@ def test_shipped_model_is_tiny_and_rarely_calls_code():
     info = json.loads((path / "build_info.json").read_text())
     assert info["task"]["code_fraction"] == EmergeTask().code_fraction <= 0.05
     assert 0 < info["traces_with_code"] <= 0.05 * info["num_traces"]
+    assert 0 < info["held_out_code_start_prob"] <= 0.05  # the exact habit the docs quote, as the build measures it
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert model.dtype == torch.float32  # stored in float16, loaded (and trained) in float32
