@@ -19,7 +19,8 @@ generate then makes exactly as many tokens per row (`max_tokens` per row, EOS ig
 Prints `vllm_rollout_vs_generate` (the default mode) and `vllm_barrier_vs_generate`, and vLLM's own account of
 each: engine steps, sequences per step, prefill steps and tokens, time outside the engine's steps.
 
-    .venv-engines/bin/python scripts/bench_rollout.py --backend vllm [--batch 32] [--repeats 3] [--kv-block-size 32] [--json]
+    .venv-engines/bin/python scripts/bench_rollout.py --backend vllm [--batch 32] [--repeats 3] [--json]
+        [--kv-block-size 32] [--separate-cores]
 """
 
 from __future__ import annotations
@@ -161,6 +162,12 @@ def main():
         default=None,
         help="with --backend vllm: the engine's KV block size in tokens (default: the build's own, 128 on CPU; GPU "
         "builds use 16); the prefix cache serves a continued turn in whole blocks",
+    )
+    parser.add_argument(
+        "--separate-cores",
+        action="store_true",
+        help="with --backend vllm: the engine on one core (one thread), the sandbox on the others, as on a GPU node "
+        "where the forward does not run on the cores the sandbox uses",
     )
     results_log.add_arguments(parser)
     args = parser.parse_args()

@@ -126,6 +126,46 @@ def _kv_block_size(size: int | None):
         helper_module.LLM = original
 
 
+def _separate_cores() -> str:
+    """The engine on core 0 with one thread, the sandbox (its zygote and every jail it starts) on the other cores.
+
+    On a GPU node the forward runs on the GPU and the sandbox's work (cells, jail set-up, the teardown of closed
+    sessions) on host cores the engine does not need. On this CPU build the forward runs on the cores themselves with
+    one OpenMP thread per core, and any other runnable process (a cell, a jail starting) preempts one of them and
+    stalls the step at its next barrier: measured together, the sandbox's work shows up as slower engine steps. Apart,
+    what is left is the rollout's own cost. A benchmark setting: vLLM fixes its thread count at start-up
+    (`torch.set_num_threads` is disabled after it binds), so this calls torch's own setter."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--separate-cores needs at least 2 CPUs")
+    torch._C.set_num_threads(1)
+    os.sched_setaffinity(0, {cores[0]})  # this thread (the engine's); threads it starts later inherit it
+
+    def descendants(pid: int) -> list[int]:
+        found = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                children = open(f"/proc/{pid}/task/{task}/children").read().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                found += [child, *descendants(child)]
+        return found
+
+    pinned = 0
+    for pid in descendants(os.getpid()):  # the zygote forks every jail: they inherit its cores
+        try:
+            os.sched_setaffinity(pid, set(cores[1:]))
+            pinned += 1
+        except OSError:
+            pass
+    if not pinned:
+        raise SystemExit("--separate-cores: found no sandbox process to move")
+    return f"engine on core {cores[0]} (1 thread), sandbox on cores {','.join(map(str, cores[1:]))}"
+
+
 ROLLOUTS = ("async", "barrier")  # ReToolConfig.rollout_mode: the default first
 
 
@@ -176,6 +216,12 @@ def bench_vllm(args) -> None:
     engine_start_s = time.perf_counter() - started
     helper, sandbox = trainer.vllm_generation, trainer.sandbox
     helper.temperature = 0.0  # greedy: every repeat makes the same tokens
+    session = sandbox.session()  # the sandbox's zygote starts now (a process to place)
+    session.run("1")
+    session.close()
+    cores = (
+        _separate_cores() if args.separate_cores else "shared: the engine's threads on every core, beside the sandbox"
+    )
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in dataset["prompt"]]
     spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=2)
 
@@ -242,7 +288,8 @@ def bench_vllm(args) -> None:
 
     print(
         f"\nvLLM rollout benchmark (colocate, vLLM CPU build): quickstart model, B={args.batch} (max_num_seqs "
-        f"{max_seqs}), KV blocks of {block} tokens, {tokens} tokens ({interp} interpreter), {calls} code calls, "
+        f"{max_seqs}), KV blocks of {block} tokens, cores {cores},\n{tokens} tokens ({interp} interpreter), "
+        f"{calls} code calls, "
         f"{turns} turns, median of {args.repeats} alternated runs"
     )
     print(f"{'generator':<52}{'wall s':>10}{'x plain':>10}  (min-max)")
@@ -262,6 +309,12 @@ def bench_vllm(args) -> None:
         f"  barrier rollout: engine calls {engine_med:.3f} s, sandbox {sandbox_med:.3f} s, "
         f"rest (decode, stop search, encode, bookkeeping) {other_s:.3f} s"
     )
+    for name in rollouts:
+        spread = _spread([r["step_s"] / p["step_s"] for r, p in zip(metered[name], metered["plain_sampled"])])
+        print(
+            f"  {name} rollout, time in engine steps / plain generate's (sampled tokens): {spread['median']:.2f} "
+            f"({spread['min']:.2f}-{spread['max']:.2f})"
+        )
     print(f"engine start (colocated LLM load, once per training run): {engine_start_s:.1f} s")
     # Counts are the same every repeat (greedy, same tokens); the per-step time is each run's, medianed.
     meters = {}
@@ -271,8 +324,10 @@ def bench_vllm(args) -> None:
             "step_ms": statistics.median(r["step_ms"] for r in runs),
             "outside_steps_s": statistics.median(t - r["step_s"] for t, r in zip(times[name], runs, strict=True)),
         }
-    print(f"{'':<14}{'steps':>7}{'ms/step':>9}{'seqs/step':>11}{'prefill steps':>15}{'prefilled':>11}"
-          f"{'cached':>8}{'requests':>10}{'outside steps s':>17}")
+    print(
+        f"{'':<14}{'steps':>7}{'ms/step':>9}{'seqs/step':>11}{'prefill steps':>15}{'prefilled':>11}"
+        f"{'cached':>8}{'requests':>10}{'outside steps s':>17}"
+    )
     for name, m in meters.items():
         print(
             f"  {name:<12}{m['steps']:>7}{m['step_ms']:>9.2f}{m['sequences_per_step']:>11.1f}{m['prefill_steps']:>15}"
@@ -285,6 +340,13 @@ def bench_vllm(args) -> None:
             figures[f"{key}{suffix}"] = round(spread["median"], 4)
             figures[f"{key}{suffix}_min"] = round(spread["min"], 4)
             figures[f"{key}{suffix}_max"] = round(spread["max"], 4)
+    # The engine's share alone: time inside vLLM's steps, the rollout's over plain generate's of the same sampled
+    # tokens (no interpreter tokens to decode), per alternated run. Sandbox time and our bookkeeping are outside it.
+    for name, key in (("async", "vllm_rollout_engine_vs_generate"), ("barrier", "vllm_barrier_engine_vs_generate")):
+        runs = zip(metered[name], metered["plain_sampled"], strict=True)
+        spread = _spread([r["step_s"] / p["step_s"] for r, p in runs])
+        figures[key] = round(spread["median"], 4)
+        figures[f"{key}_min"], figures[f"{key}_max"] = round(spread["min"], 4), round(spread["max"], 4)
     figures.update(
         {
             "rollout_mode": "async",  # the mode of vllm_rollout_vs_generate (ReToolConfig's default)
@@ -307,10 +369,17 @@ def bench_vllm(args) -> None:
             "mode": "colocate",
             "kv_block_size": block,  # a continued turn re-prefills its last, partly filled block
             "kv_block_size_set": bool(args.kv_block_size),
+            "separate_cores": bool(args.separate_cores),
+            "cores": cores,
             "prefix_caching": getattr(cache, "enable_prefix_caching", None),
         }
     )
-    for prefix, name in (("rollout", "async"), ("barrier", "barrier"), ("plain", "plain"), ("plain_sampled", "plain_sampled")):
+    for prefix, name in (
+        ("rollout", "async"),
+        ("barrier", "barrier"),
+        ("plain", "plain"),
+        ("plain_sampled", "plain_sampled"),
+    ):
         m = meters[name]
         figures[f"{prefix}_engine_steps"] = m["steps"]
         figures[f"{prefix}_step_ms"] = round(m["step_ms"], 3)

@@ -22,7 +22,9 @@ STEP_CALLS = 512 * 3
 
 
 def _newest(directory: Path) -> tuple[int, dict] | None:
-    lines = [(n, line) for n, line in enumerate(results_log.read(BENCHMARK, directory), start=1) if line.get("capacity")]
+    lines = [
+        (n, line) for n, line in enumerate(results_log.read(BENCHMARK, directory), start=1) if line.get("capacity")
+    ]
     return lines[-1] if lines else None
 
 
