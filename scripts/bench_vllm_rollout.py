@@ -166,7 +166,8 @@ def _separate_cores() -> str:
     return f"engine on core {cores[0]} (1 thread), sandbox on cores {','.join(map(str, cores[1:]))}"
 
 
-ROLLOUTS = ("async", "barrier")  # ReToolConfig.rollout_mode: the default first
+ROLLOUTS = ("async", "barrier")
+SETTLE_S = 1.0  # ReToolConfig.rollout_mode: the default first
 
 
 def bench_vllm(args) -> None:
@@ -258,6 +259,10 @@ def bench_vllm(args) -> None:
     engine_s, sandbox_s = [], []
     for repeat in range(args.repeats):
         for name, generate in generators.items():  # alternated: load drifts hit every generator alike
+            # Each run starts on a quiet machine, as a training step's rollout follows its update: what the sandbox
+            # does in the background (closed sessions ending, the jails the last rollout reserved for the next one
+            # setting up) is done by then, and overlaps no measured run.
+            time.sleep(SETTLE_S)
             engine_clock.seconds = sandbox_clock.seconds = 0.0
             meter.reset()
             start = time.perf_counter()

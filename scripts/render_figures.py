@@ -177,30 +177,69 @@ ROLLOUT = Table(
         ),
     ],
 )
+VLLM_COMMAND = ".venv-engines/bin/python scripts/bench_rollout.py --backend vllm --repeats 5 --json"
+VLLM_GPU_LIKE = VLLM_COMMAND + " --kv-block-size 32 --separate-cores"
+
+
+def _regime(r: dict) -> str:
+    if "separate_cores" not in r:
+        return "—"
+    cores = "engine and sandbox on separate cores" if r["separate_cores"] else "engine and sandbox share the cores"
+    return f"{r.get('kv_block_size')}-token KV blocks, {cores}"
+
+
 VLLM = Table(
     "vllm_rollout",
-    ".venv-engines/bin/python scripts/bench_rollout.py --backend vllm --json",
+    VLLM_GPU_LIKE,
     [
-        ("rollout / plain generate of the same tokens", lambda r: fig(r, "vllm_rollout_vs_generate", bold=True)),
-        ("rollout / plain generate of the sampled tokens only", lambda r: fig(r, "vllm_rollout_vs_generate_sampled")),
-        ("plain generate, same tokens (one call): wall s", lambda r: fig(r, "plain_generate_s", ".3f")),
-        ("plain generate, sampled tokens only: wall s", lambda r: fig(r, "plain_generate_sampled_s", ".3f")),
-        ("interleaved rollout: wall s", lambda r: fig(r, "rollout_s", ".3f")),
-        ("... in engine calls / sandbox / the rest, s", lambda r: walls(r, "", ("engine_calls", "sandbox", "other"))),
-        ("engine calls per rollout", lambda r: num(r.get("engine_calls"), "d")),
+        ("regime", _regime),
         (
-            "engine steps: rollout / plain (same tokens)",
-            lambda r: slashed(r, ("rollout_engine_steps", "plain_engine_steps"), "d"),
+            "rollout (async, the default) / plain generate, same tokens",
+            lambda r: fig(r, "vllm_rollout_vs_generate", bold=True),
+        ),
+        ("rollout (barrier) / plain generate, same tokens", lambda r: fig(r, "vllm_barrier_vs_generate")),
+        (
+            "... over plain generate of the sampled tokens only: async / barrier",
+            lambda r: slashed(r, ("vllm_rollout_vs_generate_sampled", "vllm_barrier_vs_generate_sampled"), ".2f"),
         ),
         (
-            "tokens prefilled: rollout / plain (same tokens)",
-            lambda r: slashed(r, ("rollout_prefill_tokens", "plain_prefill_tokens"), "d"),
+            "time in engine steps / plain's (sampled tokens): async",
+            lambda r: fig(r, "vllm_rollout_engine_vs_generate"),
         ),
+        (
+            "time in engine steps / plain's (sampled tokens): barrier",
+            lambda r: fig(r, "vllm_barrier_engine_vs_generate"),
+        ),
+        (
+            "wall s: plain (same tokens) / async / barrier",
+            lambda r: slashed(r, ("plain_generate_s", "rollout_s", "barrier_rollout_s"), ".3f"),
+        ),
+        (
+            "barrier: in engine calls / sandbox / the rest, s",
+            lambda r: slashed(r, ("engine_calls_s", "sandbox_s", "other_s"), ".3f"),
+        ),
+        (
+            "engine steps: async / barrier / plain (sampled tokens)",
+            lambda r: slashed(r, ("rollout_engine_steps", "barrier_engine_steps", "plain_sampled_engine_steps"), "d"),
+        ),
+        (
+            "ms per engine step: async / barrier / plain (sampled tokens)",
+            lambda r: slashed(r, ("rollout_step_ms", "barrier_step_ms", "plain_sampled_step_ms"), ".2f"),
+        ),
+        (
+            "sequences per engine step: barrier / plain (sampled tokens)",
+            lambda r: slashed(r, ("barrier_sequences_per_step", "plain_sampled_sequences_per_step"), ".1f"),
+        ),
+        (
+            "prompt tokens prefilled (from the prefix cache): barrier",
+            lambda r: f"{num(r.get('barrier_prefill_tokens'), 'd')} ({num(r.get('barrier_cached_tokens'), 'd')})",
+        ),
+        ("prompt tokens prefilled: plain (sampled tokens)", lambda r: num(r.get("plain_sampled_prefill_tokens"), "d")),
         ("engine start (once per training run), s", lambda r: num(r.get("engine_start_s"), ".1f")),
     ],
+    columns=3,
+    extra_commands=(VLLM_COMMAND, VLLM_COMMAND + " --kv-block-size 32"),
 )
-
-
 ASYNC = Table(
     "async_rollout",
     ".venv-engines/bin/python scripts/bench_async_rollout.py --engine both --runs 3 --json",
@@ -334,11 +373,12 @@ def readme_table(directory: Path) -> str:
         ),
         (
             "[rollout through vLLM](docs/performance.md#rollout-through-vllm) / plain vLLM generate of the same "
-            "tokens (CPU build)",
+            "tokens (CPU build; 32-token KV blocks, engine and sandbox on separate cores, as on a GPU node)",
             VLLM,
             lambda r: (
                 fig(r, "vllm_rollout_vs_generate", bold=True)
-                + f"x (of the sampled tokens only: {fig(r, 'vllm_rollout_vs_generate_sampled')}x)"
+                + f"x; time in engine steps / plain's: {fig(r, 'vllm_barrier_engine_vs_generate')}x (barrier), "
+                + f"{fig(r, 'vllm_rollout_engine_vs_generate')}x (async)"
             ),
         ),
         (

@@ -165,19 +165,27 @@ def test_random_scripts_keep_invariants(tokenizer, seed):
 
 
 def test_the_rollout_reserves_sessions_only_when_code_can_run():
-    """A GRPO step reserves its batch of sessions before the first turn; a text-only run (max_tool_calls=0) starts
-    no sandbox at all."""
+    """A GRPO step reserves its batch of sessions before the first turn, and again once its sessions are closed (the
+    next step's jails set up while the trainer updates); a text-only run (max_tool_calls=0) starts no sandbox at
+    all."""
     from retool_trl.sandbox import RemoteSandbox
     from retool_trl.sandbox.cell_limits import CellLimits
 
     tokenizer = make_char_tokenizer()
     scripts = ["<code>print(1)</code>\\boxed{1}", "\\boxed{2}"]
     prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"]] * 2
-    for calls, expected in ((2, [2]), (0, [])):
-        sandbox = FakeSandbox()
+    class Watching(FakeSandbox):  # what was still open at each reservation
+        def reserve(self, n):
+            super().reserve(n)
+            self.open_at_reserve = [*getattr(self, "open_at_reserve", []), sum(not s.closed for s in self.sessions)]
+
+    for calls, expected in ((2, [2, 2]), (0, [])):
+        sandbox = Watching()
         spec = RolloutSpec(max_completion_length=64, eos_token_ids=[tokenizer.eos_token_id], max_tool_calls=calls)
         interleaved_rollout(prompts, ScriptedBackend(tokenizer, scripts), CellLimits(sandbox, 16), tokenizer, spec)
         assert sandbox.reserved == expected
+        if calls:  # before any session, and for the next step once every session of this one is closed
+            assert sandbox.open_at_reserve == [0, 0] and len(sandbox.sessions) == 1
     RemoteSandbox("http://127.0.0.1:9").reserve(4)  # part of the interface: nothing to prepare remotely
 
 

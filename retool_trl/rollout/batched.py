@@ -258,6 +258,7 @@ def interleaved_rollout(
         for row in rows:
             if row.session is not None:
                 row.session.close()
+    prepare_next_rollout(sandbox, len(rows), spec)
 
     # Backends that split a turn into several requests (vLLM, per stop setting) count their own calls.
     engine_calls = getattr(backend, "engine_calls", turn_calls)
@@ -343,6 +344,14 @@ def reserve_sessions(sandbox, n: int, spec: RolloutSpec) -> None:
     reserve = getattr(sandbox, "reserve", None)
     if callable(reserve) and spec.max_tool_calls > 0:
         reserve(n)
+
+
+def prepare_next_rollout(sandbox, n: int, spec: RolloutSpec) -> None:
+    """Asks the sandbox, as a rollout ends, for the next rollout's `n` sessions: their jails then set up while the
+    trainer scores and updates (on a GPU node, on host cores idle meanwhile), not during the next rollout's first
+    turn, when a fast turn (a short first turn, a small model) would otherwise wait for them at its first code call.
+    Jails nobody takes are released by the sandbox after a minute."""
+    reserve_sessions(sandbox, n, spec)
 
 
 def release_session(row: _Row) -> None:

@@ -27,6 +27,7 @@ from .batched import (
     RolloutResult,
     RolloutSpec,
     _Row,
+    prepare_next_rollout,
     release_session,
     reserve_sessions,
     result_blocks,
@@ -79,6 +80,7 @@ def async_rollout(
         for row in rows:
             if row.session is not None:
                 row.session.close()
+    prepare_next_rollout(sandbox, len(rows), spec)
     if requests_before is not None:  # engines that count their requests (several turns may share one)
         engine_calls[0] = engine.requests - requests_before
     return rollout_result(rows, tokenizer, spec, exec_seconds, have_logprobs[0], engine_calls[0])
