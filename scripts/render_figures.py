@@ -177,7 +177,7 @@ ROLLOUT = Table(
         ),
     ],
 )
-VLLM_COMMAND = ".venv-engines/bin/python scripts/bench_rollout.py --backend vllm --repeats 5 --json"
+VLLM_COMMAND = ".venv-engines/bin/python scripts/bench_rollout.py --backend vllm --repeats 11 --json"
 VLLM_GPU_LIKE = VLLM_COMMAND + " --kv-block-size 32 --separate-cores"
 
 
