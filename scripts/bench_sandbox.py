@@ -191,7 +191,6 @@ def main() -> None:
         parser.error(f"--sessions must be >= 1, got {min(args.sessions)}")
     run = results_log.conditions()
     if args.server_capacity:
-        args.server_runs = args.server_runs if "--server-runs" in sys.argv else 1
         from sandbox_capacity import run_capacity  # scripts/ is on sys.path when run as a script
 
         row = run_capacity(args)

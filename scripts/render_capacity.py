@@ -57,7 +57,22 @@ def _provenance(n: int, line: dict) -> str:
 
 def extrapolation(line: dict) -> str:
     """The per-node sentence: the measured calls per second per core times a node's cores, labelled as what it is."""
-    ours, theirs = line["capacity"][-1], line["baseline"][-1]
+    # The busiest load the server carried with no failure the load did not mean (past it, calls failed waiting).
+    clean = [
+        (ours, theirs)
+        for ours, theirs in zip(line["capacity"], line["baseline"], strict=True)
+        if all(
+            count <= ours.get("intended_failures", {}).get(kind, 0) for kind, count in ours["failures_by_kind"].items()
+        )
+    ]
+    ours, theirs = (
+        max(clean, key=lambda pair: pair[0]["calls_per_s_per_core"])
+        if clean
+        else (
+            line["capacity"][-1],
+            line["baseline"][-1],
+        )
+    )
     per_core, base = ours["calls_per_s_per_core"], theirs["calls_per_s_per_core"]
     nodes = "; ".join(
         f"{cores} cores: {cores} x {per_core:.1f} = {cores * per_core:,.0f} calls/s, a step's {STEP_CALLS:,} calls in "

@@ -133,8 +133,16 @@ def test_the_capacity_table_and_its_extrapolation_come_from_the_newest_line(tmp_
     monkeypatch.setenv("RETOOL_RESULTS_DIR", str(tmp_path))
     old = {"capacity": [_capacity_row(64, 1.0, {})], "baseline": [_capacity_row(64, 0.5, {})], "cpu_count": 2}
     new = {
-        "capacity": [_capacity_row(64, 40.0, {"cell_error": 30}), _capacity_row(1024, 50.0, {"cell_error": 30})],
-        "baseline": [_capacity_row(64, 4.0, {}), _capacity_row(1024, 5.0, {"sandbox_error": 2})],
+        "capacity": [
+            _capacity_row(64, 40.0, {"cell_error": 30}),
+            _capacity_row(1024, 50.0, {"cell_error": 30}),
+            _capacity_row(4096, 60.0, {"cell_error": 30, "sandbox_wait": 5}),  # overloaded: calls failed waiting
+        ],
+        "baseline": [
+            _capacity_row(64, 4.0, {}),
+            _capacity_row(1024, 5.0, {"sandbox_error": 2}),
+            _capacity_row(4096, 6.0, {}),
+        ],
         "cpu_count": 2,
         "workers": 2,
         "isolation": "bwrap",
@@ -149,6 +157,8 @@ def test_the_capacity_table_and_its_extrapolation_come_from_the_newest_line(tmp_
     # 64 cores x 50 calls/s per core = 3,200 calls/s; 1,536 calls in 0.48 s, and 1,536 / (64 x 5) = 4.8 s.
     assert "64 x 50.0 = 3,200 calls/s, a step's 1,536 calls in 0.5 s (subprocess per call: 4.8 s)" in text
     assert "an extrapolation, not a measurement" in text and "line 2" in text
+    # The per-node sentence uses the busiest load carried without unmeant failures, not the overloaded one.
+    assert "At 1,024 sessions" in text and "sandbox_wait 5 (**not meant**)" in text
     png = render_capacity.draw(tmp_path)
     assert png is not None and png.stat().st_size > 10_000
 
