@@ -451,9 +451,21 @@ SERVER = Table(
 )
 
 
+STAGES = Table(
+    "stage_timings",
+    "python scripts/bench_stage_timings.py --repeats 11 --json",
+    [
+        ("GRPO step with the timings (`retool/time/*`): s", lambda r: fig(r, "timed_step_s", ".3f")),
+        ("the same step with them switched off: s", lambda r: fig(r, "untimed_step_s", ".3f")),
+        ("with / without, runs paired in the same repeat", lambda r: fig(r, "timed_vs_untimed", bold=True)),
+        ("pairs of runs, steps per run", lambda r: f"{r.get('repeats')}, {r.get('steps')}"),
+    ],
+)
+
+
 def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
-    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD):
+    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD, STAGES):
         rendered[table.benchmark] = render_table(table, directory)
     rendered.update(render_quickstart.blocks(directory))
     rendered.update(render_capacity.blocks(directory))
