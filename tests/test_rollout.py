@@ -174,6 +174,7 @@ def test_the_rollout_reserves_sessions_only_when_code_can_run():
     tokenizer = make_char_tokenizer()
     scripts = ["<code>print(1)</code>\\boxed{1}", "\\boxed{2}"]
     prompts = [tokenizer("Q:", add_special_tokens=False)["input_ids"]] * 2
+
     class Watching(FakeSandbox):  # what was still open at each reservation
         def reserve(self, n):
             super().reserve(n)
