@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import results_log
 
@@ -147,7 +148,7 @@ def _separate_cores() -> str:
         found = []
         for task in os.listdir(f"/proc/{pid}/task"):
             try:
-                children = open(f"/proc/{pid}/task/{task}/children").read().split()
+                children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
             except OSError:
                 continue
             for child in map(int, children):
@@ -166,8 +167,8 @@ def _separate_cores() -> str:
     return f"engine on core {cores[0]} (1 thread), sandbox on cores {','.join(map(str, cores[1:]))}"
 
 
-ROLLOUTS = ("async", "barrier")
-SETTLE_S = 1.0  # ReToolConfig.rollout_mode: the default first
+ROLLOUTS = ("async", "barrier")  # ReToolConfig.rollout_mode: the default first
+SETTLE_S = 1.0  # pause before each timed run (see the loop)
 
 
 def bench_vllm(args) -> None:
@@ -285,6 +286,14 @@ def bench_vllm(args) -> None:
         for name in rollouts
         for base in ("plain", "plain_sampled")
     }
+    # The engine's share alone: time inside vLLM's steps, the rollout's over plain generate's of the same sampled
+    # tokens (no interpreter tokens to decode), per alternated run. Sandbox time and our bookkeeping are outside it.
+    engine_ratios = {
+        name: _spread(
+            [r["step_s"] / p["step_s"] for r, p in zip(metered[name], metered["plain_sampled"], strict=True)]
+        )
+        for name in rollouts
+    }
     tokens, interp = sum(lengths), sum(len(m) - sum(m) for m in result.interpreter_mask)
     calls, turns, engine_calls = sum(result.num_tool_calls), max(result.num_turns), result.engine_calls[0]
     cache = getattr(getattr(helper.llm.llm_engine, "vllm_config", None), "cache_config", None)
@@ -314,8 +323,7 @@ def bench_vllm(args) -> None:
         f"  barrier rollout: engine calls {engine_med:.3f} s, sandbox {sandbox_med:.3f} s, "
         f"rest (decode, stop search, encode, bookkeeping) {other_s:.3f} s"
     )
-    for name in rollouts:
-        spread = _spread([r["step_s"] / p["step_s"] for r, p in zip(metered[name], metered["plain_sampled"])])
+    for name, spread in engine_ratios.items():
         print(
             f"  {name} rollout, time in engine steps / plain generate's (sampled tokens): {spread['median']:.2f} "
             f"({spread['min']:.2f}-{spread['max']:.2f})"
@@ -345,11 +353,8 @@ def bench_vllm(args) -> None:
             figures[f"{key}{suffix}"] = round(spread["median"], 4)
             figures[f"{key}{suffix}_min"] = round(spread["min"], 4)
             figures[f"{key}{suffix}_max"] = round(spread["max"], 4)
-    # The engine's share alone: time inside vLLM's steps, the rollout's over plain generate's of the same sampled
-    # tokens (no interpreter tokens to decode), per alternated run. Sandbox time and our bookkeeping are outside it.
     for name, key in (("async", "vllm_rollout_engine_vs_generate"), ("barrier", "vllm_barrier_engine_vs_generate")):
-        runs = zip(metered[name], metered["plain_sampled"], strict=True)
-        spread = _spread([r["step_s"] / p["step_s"] for r, p in runs])
+        spread = engine_ratios[name]
         figures[key] = round(spread["median"], 4)
         figures[f"{key}_min"], figures[f"{key}_max"] = round(spread["min"], 4), round(spread["max"], 4)
     figures.update(
