@@ -227,8 +227,18 @@ VLLM = Table(
             lambda r: slashed(r, ("rollout_step_ms", "barrier_step_ms", "plain_sampled_step_ms"), ".2f"),
         ),
         (
-            "sequences per engine step: barrier / plain (sampled tokens)",
-            lambda r: slashed(r, ("barrier_sequences_per_step", "plain_sampled_sequences_per_step"), ".1f"),
+            "sequences per engine step: async / barrier / plain (sampled tokens)",
+            lambda r: slashed(
+                r,
+                ("rollout_sequences_per_step", "barrier_sequences_per_step", "plain_sampled_sequences_per_step"),
+                ".1f",
+            ),
+        ),
+        (
+            "engine steps that prefilled: async / barrier / plain (sampled tokens)",
+            lambda r: slashed(
+                r, ("rollout_prefill_steps", "barrier_prefill_steps", "plain_sampled_prefill_steps"), "d"
+            ),
         ),
         (
             "prompt tokens prefilled (from the prefix cache): barrier",
