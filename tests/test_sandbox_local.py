@@ -257,6 +257,67 @@ def test_threads_waiting_for_a_slot_get_it_in_the_order_they_came():
     assert sorted(starts, key=starts.get) == list(range(6)), starts
 
 
+def test_a_long_line_for_a_slot_costs_each_waiter_a_few_looks_not_a_poll_loop():
+    """Stands for the sandbox server under 1,024 sessions on 2 cores: about a thousand one-cell batches wait in line
+    for a CPU slot. Only the first in line may take a slot, so the others must sleep until woken; when each polled
+    every 20 ms (and every look scanned the whole line), the line alone took most of the server's CPU. Here 96
+    threads wait 1.5 s behind one busy slot: each may look a handful of times, not 75."""
+    with LocalSandbox(num_workers=1, timeout_s=20.0, preload=()) as sb:
+        sessions = [sb.session() for _ in range(97)]
+        sb.run_many([(s, "pass") for s in sessions])  # jails set up: only the wait for the slot is measured
+        line, looks = sb.in_flight, [0]
+        wait_in_line = line.wait_in_line
+
+        def counted(batch, timeout_s):
+            looks[0] += 1
+            wait_in_line(batch, timeout_s)
+
+        line.wait_in_line = counted
+        results = {}
+
+        def call(k):
+            results[k] = sessions[k].run(BURN_CELL.format(s=1.5) if k == 0 else "print('queued')")
+
+        threads = [threading.Thread(target=call, args=(0,))]
+        threads[0].start()
+        time.sleep(0.3)  # the first holds the only slot
+        threads += [threading.Thread(target=call, args=(k,)) for k in range(1, 97)]
+        for thread in threads[1:]:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert all(results[k].ok for k in range(97)), [r for r in results.values() if not r.ok][:2]
+    # First in line: a look every 2 ms for about 1.2 s (600); the 95 behind it: one every 0.5 s at most, plus the
+    # wake-up when each becomes first (95 x 4). A poll every 20 ms would be over 5,000.
+    assert looks[0] < 600 + 95 * 4 + 200, looks[0]
+
+
+def test_the_batch_behind_the_first_is_woken_when_the_first_leaves():
+    """Batches behind the first in line sleep long (they are woken instead of polling): the wake-up must come, or
+    every waiter would sit out the whole safety-net interval."""
+    from retool_trl.sandbox.host import admission
+
+    line, first, second = admission.InFlight(), object(), object()
+    line.wait_in_line(first, 0.0)  # in line, first (every slot taken)
+    assert line.first_in_line(first) and not line.first_in_line(second)
+    returned = threading.Event()
+
+    def wait():
+        line.wait_in_line(second, 0.002)  # behind the first: sleeps until woken (or the safety net, far away here)
+        returned.set()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admission, "BEHIND_CHECK_S", 60.0)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        assert not returned.is_set()  # not polling
+        line.leave_line(first)
+        assert returned.wait(10), "the batch now first in line was not woken"
+        waiter.join(10)
+    assert line.first_in_line(second)
+
+
 def test_a_slow_cell_does_not_hold_up_the_rest():
     with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
         slow, fast = sb.session(), sb.session()

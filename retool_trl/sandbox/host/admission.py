@@ -5,7 +5,9 @@ slot: what `batch.py`'s CPU-aware admission counts and takes turns by.
 from __future__ import annotations
 
 import threading
-from collections import deque
+
+# How often a batch behind the first in line looks again without being woken (see `InFlight.wait_in_line`).
+BEHIND_CHECK_S = 0.5
 
 
 class InFlight:
@@ -15,12 +17,17 @@ class InFlight:
     It also keeps the line of batches waiting for a CPU slot, oldest first: a slot that frees goes to the batch that
     waited longest, whose thread is woken at once, rather than to whichever of dozens of polling threads looks first.
     Without the line, 32 threads each running one cell waited up to 125 ms (p99) for a slot that others, arriving
-    later, kept taking; and their polling itself took the CPU the cells needed."""
+    later, kept taking; and their polling itself took the CPU the cells needed.
+
+    Every step of the line is O(1) (an insertion-ordered dict, not a scanned deque), and only the first in line polls
+    often: the sandbox server under 1,024 sessions on 2 cores holds about a thousand batches in line; with O(n) scans
+    each polled every 20 ms, the server used 205 CPU seconds in a 230-second load, and 21 s in 163 once the line was
+    O(1) and quiet (its p99 call went from 143 s to 94 s)."""
 
     def __init__(self):
         self._entries: set = set()
         self._lock = threading.Lock()
-        self._line: deque = deque()  # (batch, event) of batches waiting for a slot, oldest first
+        self._line: dict = {}  # batch -> its wake-up event, for the batches waiting for a slot, oldest first
         # Slots are counted and taken under one lock, and a taken slot counts from then on (`claimed`), before its
         # cell is in `_entries`: otherwise a burst of threads all see the same free slots and all take them.
         self.admitting = threading.Lock()
@@ -42,7 +49,7 @@ class InFlight:
     def _wake_first(self) -> None:
         """Wakes the batch first in line, if any (called with `_lock` held)."""
         if self._line:
-            self._line[0][1].set()
+            next(iter(self._line.values())).set()
 
     def snapshot(self) -> list:
         with self._lock:
@@ -61,30 +68,23 @@ class InFlight:
         with self._lock:
             if not self._line:
                 return True
-            if not any(waiting is batch for waiting, _ in self._line):
-                self._line.append((batch, threading.Event()))
-            return self._line[0][0] is batch
+            self._line.setdefault(batch, threading.Event())
+            return next(iter(self._line)) is batch
 
     def wait_in_line(self, batch, timeout_s: float) -> None:
         """Joins the line if not in it, and sleeps until woken (a slot may have freed, or it became first) or, as a
-        safety net for a slot freed without a wake-up (a running cell that went to sleep), `timeout_s` passed: the
-        first in line checks every `timeout_s`, the others ten times less often."""
+        safety net for a slot freed without a wake-up (a running cell that went to sleep), `timeout_s` passed. Only the
+        first in line checks every `timeout_s`: the others can take no slot before they are first, and the batch that
+        makes one first (by leaving the line) wakes it; they look again only every `BEHIND_CHECK_S`, in case a batch
+        ahead of them left without a word."""
         with self._lock:
-            event = next((e for waiting, e in self._line if waiting is batch), None)
-            if event is None:
-                event = threading.Event()
-                self._line.append((batch, event))
-            first = self._line[0][0] is batch
-        event.wait(timeout_s if first else 10 * timeout_s)
+            event = self._line.setdefault(batch, threading.Event())
+            first = next(iter(self._line)) is batch
+        event.wait(timeout_s if first else max(timeout_s, BEHIND_CHECK_S))
         event.clear()
 
     def leave_line(self, batch) -> None:
         """Leaves the line (it took a slot, or stopped waiting); wakes whoever is first now."""
         with self._lock:
-            for item in self._line:
-                if item[0] is batch:
-                    self._line.remove(item)
-                    break
-            else:
-                return
-            self._wake_first()
+            if self._line.pop(batch, None) is not None:
+                self._wake_first()
