@@ -114,7 +114,8 @@ def blocks(directory: Path) -> dict[str, str]:
             )
     runs = line["capacity"][0].get("runs")
     spread = (
-        f"Medians of {runs} alternated runs per size (min-max)."
+        f"Medians of {runs} alternated runs per size (min-max); failures are counted over all {runs} runs together, "
+        "as are the ones the load meant."
         if runs and runs > 1
         else ("One run per size, ours then the baseline: not yet a median of alternated runs.")
     )

@@ -185,7 +185,12 @@ class _ServiceHandler(BaseHTTPRequestHandler):
         self._reply(404, {"detail": "not found"})
 
     def do_POST(self):
-        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        length = int(self.headers.get("Content-Length", 0))
+        raw = self.rfile.read(length)
+        if len(raw) < length:  # the client went away before its request was read (it gave up): nobody to answer
+            self.close_connection = True
+            return
+        request = json.loads(raw)
         if self.path != "/run_code":
             return self._reply(404, {"detail": "not found"})
         with self.server.slots:
