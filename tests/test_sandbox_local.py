@@ -300,7 +300,7 @@ def test_a_long_line_for_a_slot_costs_each_waiter_a_few_looks_not_a_poll_loop(mo
     assert looks[0] <= 2 * 95, looks[0]
 
 
-def test_the_batch_behind_the_first_is_woken_when_the_first_leaves():
+def test_the_batch_behind_the_first_is_woken_when_the_first_leaves(monkeypatch):
     """Batches behind the first in line sleep long (they are woken instead of polling): the wake-up must come, or
     every waiter would sit out the whole safety-net interval."""
     from retool_trl.sandbox.host import admission
@@ -314,15 +314,14 @@ def test_the_batch_behind_the_first_is_woken_when_the_first_leaves():
         line.wait_in_line(second, 0.002)  # behind the first: sleeps until woken (or the safety net, far away here)
         returned.set()
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(admission, "BEHIND_CHECK_S", 60.0)
-        waiter = threading.Thread(target=wait, daemon=True)
-        waiter.start()
-        time.sleep(0.2)
-        assert not returned.is_set()  # not polling
-        line.leave_line(first)
-        assert returned.wait(10), "the batch now first in line was not woken"
-        waiter.join(10)
+    monkeypatch.setattr(admission, "BEHIND_CHECK_S", 60.0)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    assert not returned.is_set()  # not polling
+    line.leave_line(first)
+    assert returned.wait(10), "the batch now first in line was not woken"
+    waiter.join(10)
     assert line.first_in_line(second)
 
 

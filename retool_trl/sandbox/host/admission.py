@@ -70,8 +70,7 @@ class InFlight:
         with self._lock:
             if not self._line:
                 return True
-            self._line.setdefault(batch, threading.Event())
-            return next(iter(self._line)) is batch
+            return self._join(batch)[1]
 
     def wait_in_line(self, batch, timeout_s: float) -> None:
         """Joins the line if not in it, and sleeps until woken (a slot may have freed, or it became first) or, as a
@@ -80,10 +79,15 @@ class InFlight:
         makes one first (by leaving the line) wakes it; they look again only every `BEHIND_CHECK_S`, in case a batch
         ahead of them left without a word."""
         with self._lock:
-            event = self._line.setdefault(batch, threading.Event())
-            first = next(iter(self._line)) is batch
+            event, first = self._join(batch)
         event.wait(timeout_s if first else max(timeout_s, BEHIND_CHECK_S))
         event.clear()
+
+    def _join(self, batch) -> tuple[threading.Event, bool]:
+        """Puts `batch` at the end of the line if it is not in it; its wake-up event, and whether it is first (called
+        with `_lock` held)."""
+        event = self._line.setdefault(batch, threading.Event())
+        return event, next(iter(self._line)) is batch
 
     def leave_line(self, batch) -> None:
         """Leaves the line (it took a slot, or stopped waiting); wakes whoever is first now."""
