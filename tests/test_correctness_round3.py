@@ -574,15 +574,19 @@ class BusySessionsServer:
         self.httpd.server_close()
 
 
-def test_a_busy_sandbox_servers_late_answer_keeps_the_session_and_the_server():
-    """Two sandbox servers, native sessions; the one a session lives on is busy and answers a cell 32 s after it was
-    sent (its cells waited for a worker), with a cell limit of 0.5 s. Before, the read timeout was the cell's limit
-    + 30 s whatever the server's queue: the late answer was lost, the session's state with it (an infrastructure
-    error), and a live server was marked down for 30 s, its load moved onto the others. Now the cell is waited for
-    while the server answers its `/health`: the answer is the cell's, the server keeps its sessions."""
+def test_a_busy_sandbox_servers_late_answer_keeps_the_session_and_the_server(monkeypatch):
+    """Two sandbox servers, native sessions; the one a session lives on is busy and answers a cell late (its cells
+    waited for a worker), with a cell limit of 0.5 s. Before, the read timeout was the cell's limit + 30 s whatever
+    the server's queue: the late answer was lost, the session's state with it (an infrastructure error), and a live
+    server was marked down for 30 s, its load moved onto the others. Now the cell is waited for while the server
+    answers its `/health`: the answer is the cell's, the server keeps its sessions. The margin is cut to 0.5 s (a
+    check every second) and the answer comes 4 s late, four checks in: the old fixed read timeout would have lost
+    it, as it lost an answer 32 s late with the shipped 30 s margin."""
+    from retool_trl.sandbox.remote import service
     from retool_trl.sandbox.remote.client import RemoteSandbox
 
-    busy, other = BusySessionsServer(delay_s=32.0), BusySessionsServer(delay_s=0.0)
+    monkeypatch.setattr(service, "_REPLY_MARGIN_S", 0.5)
+    busy, other = BusySessionsServer(delay_s=4.0), BusySessionsServer(delay_s=0.0)
     try:
         with RemoteSandbox([busy.url, other.url], timeout_s=0.5, sessions="native") as sandbox:
             session = sandbox.session()
