@@ -268,6 +268,9 @@ except SandboxUnavailableError as error:
     message = str(error)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"message": message, "steps": trainer.state.global_step}, f)
+# As PyTorch asks of a script before it exits: left to the interpreter's exit, gloo's threads can abort it (SIGABRT,
+# "terminate called without an active exception"), and torchrun reports the run failed after both ranks stopped.
+dist.destroy_process_group()
 """
 
 
