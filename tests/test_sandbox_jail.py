@@ -545,13 +545,10 @@ def test_a_signal_handler_in_a_cell_works_like_in_python(sandbox):
 
 
 def test_a_jail_that_never_reaches_its_wait_is_infrastructure(monkeypatch):
-    from retool_trl.sandbox.host import batch, channel
+    from retool_trl.sandbox.host import channel
 
-    # As if the fresh jail never got to its wait for requests (stuck in set-up) within what the trainer waits. The
-    # wait is patched where it is read: the batch, which holds a jail still setting up out of its CPU slot, reads
-    # its own import of it (left at 30 s, this test waited out the whole of it).
+    # As if the fresh jail never got to its wait for requests (stuck in set-up) within what the trainer waits.
     monkeypatch.setattr(channel, "SETUP_WAIT_S", 0.05)
-    monkeypatch.setattr(batch, "SETUP_WAIT_S", 0.05)
     monkeypatch.setattr(channel.SessionProcess, "_waiting_point", lambda self: None)
     with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
         r = sb.session().run("print('never runs')")

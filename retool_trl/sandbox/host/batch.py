@@ -15,8 +15,9 @@ from collections import deque
 from typing import Protocol
 
 from ..base import ExecResult, refusal
+from . import channel  # its SETUP_WAIT_S is read at each use: one value for the batch and the channel
 from .admission import InFlight
-from .channel import SETUP_WAIT_S, STATUS_FLOOD
+from .channel import STATUS_FLOOD
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +321,7 @@ class Batch:
                 self.setting_up.add(session)
                 continue
             waited = self.setup_since.pop(session, None) is not None
-            self._dispatch(session, index, setup_wait_s=0.0 if waited else SETUP_WAIT_S)
+            self._dispatch(session, index, setup_wait_s=0.0 if waited else channel.SETUP_WAIT_S)
 
     def _setting_up(self, session) -> bool:
         """Whether the session's jail is alive but not yet at its wait for requests, and has not been waited for
@@ -330,7 +331,7 @@ class Batch:
             return False
         if proc.setup_problem:  # it cannot be watched (the trainer is out of descriptors): `begin` reports it
             return False
-        return time.monotonic() - self.setup_since.get(session, time.monotonic()) < SETUP_WAIT_S
+        return time.monotonic() - self.setup_since.get(session, time.monotonic()) < channel.SETUP_WAIT_S
 
     def _take_back_set_up(self) -> None:
         """Sessions whose jail has finished setting up (or died, closed, or waited too long) ask for a slot again,
@@ -341,7 +342,7 @@ class Batch:
                 self.setting_up.discard(session)
                 self.ready.appendleft(session)
 
-    def _dispatch(self, session, index: int, setup_wait_s: float = SETUP_WAIT_S) -> None:
+    def _dispatch(self, session, index: int, setup_wait_s: float) -> None:
         entry = _Running(index, session)
         proc = entry.proc
         self.running[session] = entry
@@ -360,7 +361,7 @@ class Batch:
         if problem == "not set up":
             crash = {
                 "setup_failed": proc.setup_problem
-                or f"it did not reach its wait for requests within {SETUP_WAIT_S:g} s"
+                or f"it did not reach its wait for requests within {channel.SETUP_WAIT_S:g} s"
             }
             self._finish(entry, lambda s: self.sandbox.result_of_crash(s, 0.0, crash=crash))
             return

@@ -173,7 +173,7 @@ class SessionProcess(JailSweep, ParkedFreeze):
     def closed(self) -> bool:
         return self.request_w is None
 
-    def begin(self, request: dict, setup_wait_s: float = SETUP_WAIT_S) -> str | None:
+    def begin(self, request: dict, setup_wait_s: float) -> str | None:
         """Sends a request and lets the process run. Returns None, or why it could not: "gone" (it died, or its
         request pipe has no reader), "not set up" (a fresh jail that did not reach its wait for requests within
         `setup_wait_s`) or "ran while parked" (it computed since its last call ended: see `ran_while_parked`)."""
