@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
-from .format.calls import CALL_FORMATS
-from .format.prompts import SYSTEM_PROMPTS, Tags, resolve_system_prompt
+from .format import SYSTEM_PROMPTS  # noqa: F401 - re-exported (earlier versions had it here)
+from .format.prompts import SHIPPED_PROMPTS, Tags
+from .format.registry import FORMAT_NAMES, resolve_system_prompt
 from .options import SANDBOX_BACKENDS, TRUNCATION_SIDES, ReToolOptions
 from .sandbox.cell_limits import ERROR_FORMATS
 
@@ -210,9 +211,9 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "use_vllm=True but vLLM is not installed: install the extra with `pip install 'retool-trl[vllm]'` "
                 "or set use_vllm=False."
             )
-        if self.call_format not in CALL_FORMATS:
+        if self.call_format not in FORMAT_NAMES:
             raise ValueError(
-                f"ReToolConfig.call_format must be one of {', '.join(CALL_FORMATS)}, got {self.call_format!r}."
+                f"ReToolConfig.call_format must be one of {', '.join(FORMAT_NAMES)}, got {self.call_format!r}."
             )
         tags = {
             "code_start": self.code_start,
@@ -290,10 +291,10 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 f"included), got {self.max_completion_length}."
             )
         prompt = self.system_prompt
-        if prompt is not None and prompt.strip().lower() != "none" and prompt not in SYSTEM_PROMPTS:
+        if prompt is not None and prompt.strip().lower() != "none" and prompt not in SHIPPED_PROMPTS:
             if prompt.isidentifier():  # a name, not a prompt: most likely a typo of a shipped one
                 raise ValueError(
-                    f"ReToolConfig.system_prompt={prompt!r} is not a shipped prompt ({', '.join(SYSTEM_PROMPTS)}); "
+                    f"ReToolConfig.system_prompt={prompt!r} is not a shipped prompt ({', '.join(SHIPPED_PROMPTS)}); "
                     "give one of those names, 'none', or the prompt text itself."
                 )
 

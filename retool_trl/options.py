@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .format.prompts import SYSTEM_PROMPTS, Tags
+from .format.prompts import SHIPPED_PROMPTS, Tags
+from .format.registry import FORMAT_NAMES, formats_help
 from .sandbox.cell_limits import ERROR_FORMATS
 
 TRUNCATION_SIDES = ("head", "tail", "middle")
@@ -23,9 +24,8 @@ class ReToolOptions:
     call_format: str = field(
         default="tags",
         metadata={
-            "help": "How the model calls the interpreter: 'tags' (the tags below), 'tool_call' (its chat "
-            "template's tool calls) or 'markdown' (```python blocks, ```output fences).",
-            "choices": ["tags", "tool_call", "markdown"],
+            "help": f"How the model calls the interpreter: {formats_help()}.",
+            "choices": FORMAT_NAMES,
         },
     )
     code_start: str = field(
@@ -137,7 +137,7 @@ class ReToolOptions:
         default="retool",
         metadata={
             "help": "System prompt added to conversational prompts that have none: a shipped name "
-            f"({', '.join(SYSTEM_PROMPTS)}), a literal prompt, or 'none'."
+            f"({', '.join(SHIPPED_PROMPTS)}), a literal prompt, or 'none'."
         },
     )
     correct_reward: float = field(default=1.0, metadata={"help": "Reward of a correct final \\boxed{} answer."})

@@ -24,8 +24,8 @@ import copy
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from .format.convert import MARKDOWN_TAGS, to_markdown, to_tool_messages
 from .format.parsing import Tags
+from .format.registry import get_format
 
 
 def split_environment_spans(completion: str, tags: Tags = Tags()) -> list[tuple[str, bool]]:
@@ -135,24 +135,35 @@ def tokenize_trace(
 def tokenize_tool_trace(
     tokenizer, prompt: str | list[dict], completion: str, tags: Tags = Tags(), chat_template_kwargs: dict | None = None
 ) -> dict[str, list[int]]:
-    """Tokenizes a ReTool-style trace as native tool calls (`call_format='tool_call'`), as the rollout builds them.
+    """Tokenizes a ReTool-style trace as native tool calls (`call_format='tool_call'`), as the rollout builds them
+    (see [`tokenize_tool_messages`])."""
+    fmt = get_format("tool_call")
+    return tokenize_tool_messages(
+        tokenizer, prompt, fmt.sft_trace(completion, tags).messages, fmt.tools, chat_template_kwargs
+    )
 
-    The trace becomes chat messages (`format.convert.to_tool_messages`); the ids are the chat template's, taken turn
-    by turn: each assistant turn up to its end-of-turn token is trained, the tool messages after it (to the next
-    assistant header) are not, exactly the ids the rollout samples and inserts. The template must be
-    prefix-preserving (each rendering extends the previous one).
+
+def tokenize_tool_messages(
+    tokenizer,
+    prompt: str | list[dict],
+    turns: list[dict],
+    tools: list | None,
+    chat_template_kwargs: dict | None = None,
+) -> dict[str, list[int]]:
+    """Tokenizes a completion given as chat messages (assistant turns with tool calls, `tool` results after them).
+
+    The ids are the chat template's, taken turn by turn: each assistant turn up to its end-of-turn token is trained,
+    the tool messages after it (to the next assistant header) are not, exactly the ids the rollout samples and
+    inserts. The template must be prefix-preserving (each rendering extends the previous one).
     """
-    from .format.tool_calls import TOOLS
-
     kwargs = dict(chat_template_kwargs or {})
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    turns = to_tool_messages(completion, tags)
 
     def render(conversation, generation_prompt):
         return list(
             tokenizer.apply_chat_template(
                 conversation,
-                tools=TOOLS,
+                tools=tools,
                 add_generation_prompt=generation_prompt,
                 tokenize=True,
                 return_dict=False,
@@ -225,23 +236,21 @@ def build_sft_dataset(
         tags (`Tags` or any object with the four tag fields, e.g. `ReToolConfig`): Defaults to the paper's tags.
         add_eos (`bool`): See [`tokenize_trace`].
         num_proc (`int`, *optional*): Processes for `Dataset.map`.
-        call_format (`str`): The call format to train: `tags` (the traces as they are), `markdown` or `tool_call`
-            (ReTool-style traces converted, see `retool_trl.format.convert`).
+        call_format (`str`): The call format to train (a registered name, see `retool_trl.format`): ReTool-style
+            traces are rewritten in it (`CallFormat.sft_trace`); `tags` keeps them as they are.
 
     Returns:
         `Dataset` with columns `input_ids` and `completion_mask` only.
     """
     tags = Tags() if tags is None else Tags.from_config(tags) if not isinstance(tags, Tags) else tags
+    fmt = get_format(call_format)
 
     def _tokenize(example):
         prompt, completion = _trace_of(example)
-        if call_format == "tool_call":
-            return tokenize_tool_trace(tokenizer, prompt, completion, tags)
-        if call_format == "markdown":
-            return tokenize_trace(
-                tokenizer, prompt, to_markdown(completion, tags), tags=MARKDOWN_TAGS, add_eos=add_eos
-            )
-        return tokenize_trace(tokenizer, prompt, completion, tags=tags, add_eos=add_eos)
+        trace = fmt.sft_trace(completion, tags)  # the trace as the model writes it in its call format
+        if trace.messages is not None:
+            return tokenize_tool_messages(tokenizer, prompt, trace.messages, fmt.tools)
+        return tokenize_trace(tokenizer, prompt, trace.text, tags=trace.spans, add_eos=add_eos)
 
     return dataset.map(_tokenize, remove_columns=dataset.column_names, num_proc=num_proc, desc="Tokenizing traces")
 

@@ -26,9 +26,9 @@ from trl.models import unwrap_model_for_generation
 from .config import ReToolConfig
 from .errors import UserError
 from .evaluation.inference import tokenize_prompts
-from .format.choice import call_format_from_config, call_stop, prose_format
 from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
+from .format.registry import format_of
 from .models.names import resolve_model
 from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
 from .rewards.functions import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
@@ -86,7 +86,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         _check_chat_template(self.processing_class, datasets, model)
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
-        self._call_format = call_format_from_config(args, self._tokenizer)
+        self._call_format = format_of(args).from_config(args, self._tokenizer)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
         # tests/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
@@ -149,7 +149,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             backend = VLLMBackend(
                 self.vllm_generation,
                 self._tokenizer,
-                call_stop(self.args),
+                self._call_format.stop,
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
                 max_model_len=spec.max_model_len,
@@ -172,7 +172,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
         colocated engine's request-level API."""
         if self.vllm_generation.mode == "colocate":
-            return ColocateEngine(self.vllm_generation, self._tokenizer, call_stop(self.args))
+            return ColocateEngine(self.vllm_generation, self._tokenizer, self._call_format.stop)
         return server_engine_from_config(
             self.args, self._tokenizer, self.vllm_generation, _server_url(self.args), self._engine_max_model_len()
         )
@@ -219,7 +219,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
     def _make_generation_backend(self, unwrapped_model):
         """The turn generator of the rollout (tests substitute a scripted one here)."""
         return TransformersBackend(
-            unwrapped_model, self._tokenizer, self.generation_config, call_stop(self.args), self.eos_token_ids
+            unwrapped_model, self._tokenizer, self.generation_config, self._call_format.stop, self.eos_token_ids
         )
 
     def _generate_and_score_completions(self, inputs):
@@ -251,7 +251,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         """TRL `rollout_func`: prompts in, token ids + interpreter mask (`env_mask`) + reward kwargs out."""
         args = self.args
         prompts = self._with_system_prompt(prompts)
-        if self.args.call_format == "tool_call":  # the tool's schema in the prompt, as evaluation renders it
+        if self._call_format.tools:  # the tool's schema in the prompt, as evaluation renders it
             prompt_ids = tokenize_prompts(self.processing_class, prompts, self.args)
         else:
             prompt_ids, _, _ = self._tokenize_prompts(prompts)
@@ -309,7 +309,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         if len(inputs) != len(prompts) or "answer" not in inputs[0]:
             raise ValueError("ReToolConfig.roc_oversample > 1 needs an `answer` column in the dataset.")
         result = self._generate_rollout([ids for ids in prompt_ids for _ in range(factor)])
-        tags = prose_format(self.args)
+        tags = self._call_format  # what the model wrote outside its calls is read in its own format
         keep = []
         for g in range(0, len(prompts), group):
             rows = range(g * factor, (g + group) * factor)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from retool_trl import ReToolConfig
-from retool_trl.format.calls import MarkdownFormat, TagFormat, stop_format
-from retool_trl.format.choice import call_format_from_config
+from retool_trl.format import MarkdownFormat, TagFormat, get_format
 from retool_trl.rewards.functions import boxed_accuracy, final_answer
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
@@ -98,9 +97,9 @@ def test_tags_stay_the_default():
     """Without `call_format`, the rollout and the config are the ReTool tags as before."""
     args = ReToolConfig(output_dir="/tmp/unused", report_to="none")
     assert args.call_format == "tags"
-    assert isinstance(call_format_from_config(args), TagFormat)
+    assert isinstance(get_format(args.call_format).from_config(args), TagFormat)
     assert RolloutSpec(8, [0]).call_format.stop == "</code>"
-    assert stop_format("markdown").stop == "```\n"
+    assert get_format("markdown").stop_for(args) == "```\n"
 
 
 def test_an_unknown_format_is_refused_in_one_line():
@@ -121,7 +120,7 @@ def test_a_short_grpo_run_trains_with_each_format(tmp_path, call_format, scripts
     trainer = trainer_for(
         tmp_path, scripts, call_format=call_format, max_steps=2, logging_steps=1, system_prompt="none"
     )
-    stop = call_format_from_config(trainer.args).stop
+    stop = get_format(call_format).stop_for(trainer.args)
     trainer._make_generation_backend = lambda model: ScriptedBackend(TOKENIZER, scripts, stop)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()

@@ -16,7 +16,7 @@ import pytest
 from qwen_vocab import qwen_tokenizer, with_template
 
 from retool_trl.errors import UserError
-from retool_trl.format.calls import stop_format
+from retool_trl.format import TagFormat
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
 from retool_trl.rewards.functions import boxed_accuracy
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
@@ -75,7 +75,7 @@ def test_text_carried_past_the_code_end_tag_belongs_to_the_next_turn(qwen, loop)
     """`</code><code>` runs the second block, `</code>\\boxed{42}` is an answer (not a void turn), and the policy's
     tokens stay exactly the scripted ones, in both rollout loops."""
     prompt = [qwen("Q: 6*7?", add_special_tokens=False)["input_ids"]] * len(CARRY_SCRIPTS)
-    result = run(loop, qwen, CARRY_SCRIPTS, stop_format("tags"), prompt)
+    result = run(loop, qwen, CARRY_SCRIPTS, TagFormat(), prompt)
     assert result.num_tool_calls == [2, 1, 2]
     assert result.num_tool_errors == [0, 0, 0]
     assert result.num_void_turns == [0, 0, 0]

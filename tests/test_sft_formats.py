@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from retool_trl.format.calls import MarkdownFormat
-from retool_trl.format.convert import to_markdown, to_tool_messages
+from retool_trl.format.markdown import MarkdownFormat, to_markdown
+from retool_trl.format.tool_calls import to_tool_messages
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.sft import build_sft_dataset
 from retool_trl.testing import FakeSandbox, ScriptedBackend

@@ -218,6 +218,24 @@ def take_trained_prompt_settings(model_path: str, eval_args, config, given: set[
     return taken
 
 
+def take_format_defaults(eval_args, config, given: set[str]) -> dict:
+    """The evaluation options the call format sets (`CallFormat.eval_defaults`) where neither the user nor the
+    model's recorded settings did. Returns what was set (and says so on one line)."""
+    from ..format.registry import format_of
+
+    fmt = format_of(config)
+    taken = {}
+    for name, value in fmt.eval_defaults.items():
+        target = eval_args if hasattr(eval_args, name) else config
+        if name not in given and getattr(target, name) != value:
+            taken[name] = value
+            setattr(target, name, value)
+    if taken:
+        shown = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+        print(f"Evaluation settings of call_format={fmt.name!r}: {shown}")
+    return taken
+
+
 def load_eval_model(path: str, dtype: str):
     """The model to evaluate, in eval mode on the GPU when there is one; a LoRA folder is merged into its base."""
     import torch
@@ -240,7 +258,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
-    from ..format.prompts import Tags
+    from ..format.registry import format_of
     from ..models.tokenizers import check_tokenizer, load_tokenizer
 
     eval_args, config = parse_eval_args(help_all_argv(argv))
@@ -248,20 +266,20 @@ def main(argv: Sequence[str]) -> int:
         raise UserError("num_samples and batch_size must be >= 1.")
     check_output_dir(config.output_dir)  # before the evaluation, not after it
     model_path = resolve_model_path(eval_args.model, "model")
-    take_trained_prompt_settings(model_path, eval_args, config, given_options(argv))
+    given = given_options(argv)
+    taken = take_trained_prompt_settings(model_path, eval_args, config, given)
+    take_format_defaults(eval_args, config, given | set(taken))
     check_dataset_name(eval_args.dataset, "--dataset")  # typos fail here, before any hub call
     tokenizer = load_tokenizer(model_path, None, config.trust_remote_code, eval_args.chat_template_path)
+    fmt = format_of(config)
     check_tokenizer(
         tokenizer,
         model_path,
-        vars(Tags.from_config(config)) if config.call_format == "tags" else {},  # the tags the model writes
+        fmt.written_tags(config),  # the tags the model itself writes
         eval_args.pad_token,
-        needs_chat_template=eval_args.prompt_format == "conversational" or config.call_format == "tool_call",
+        needs_chat_template=eval_args.prompt_format == "conversational" or fmt.needs_chat_template,
     )
-    if config.call_format == "tool_call":
-        from ..format.tool_calls import ToolCallFormat
-
-        ToolCallFormat(tokenizer, config.chat_template_kwargs)  # a template that cannot carry tool calls: refused now
+    fmt.from_config(config, tokenizer)  # a template the format cannot use (e.g. no tool calls): refused now
     dataset = load_problems(
         eval_args.dataset,
         eval_args.split,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from trl.scripts.utils import ScriptArguments
 
 from ..errors import UserError, one_line
-from ..format.prompts import SYSTEM_PROMPTS, Tags
+from ..format.prompts import SHIPPED_PROMPTS, Tags
+from ..format.registry import FORMAT_NAMES, formats_help
 from .common import (
     PROG,
     PROMPT_FORMAT_CHOICES,
@@ -40,10 +41,9 @@ class SFTScriptArguments(ScriptArguments):
     call_format: str = field(
         default="tags",
         metadata={
-            "help": "Call format to train, as in RL: 'tags' (the traces as they are), 'tool_call' (code blocks become "
-            "the chat template's tool calls to `code_interpreter`, interpreter blocks tool messages) or 'markdown' "
-            "(```python blocks, ```output fences). The tags below say how the traces mark code and output.",
-            "choices": ["tags", "tool_call", "markdown"],
+            "help": f"Call format to train, as in RL (the traces are rewritten in it): {formats_help()}. The tags "
+            "below say how the traces mark code and output.",
+            "choices": FORMAT_NAMES,
         },
     )
     code_start: str = field(default=Tags.code_start, metadata={"help": "Tag that opens a code block."})
@@ -57,7 +57,7 @@ class SFTScriptArguments(ScriptArguments):
     system_prompt: str | None = field(
         default=None,
         metadata={
-            "help": f"System prompt added to traces without one: a shipped name ({', '.join(SYSTEM_PROMPTS)}), "
+            "help": f"System prompt added to traces without one: a shipped name ({', '.join(SHIPPED_PROMPTS)}), "
             "a literal prompt, or none (default). Use the same one as in the RL stage."
         },
     )
@@ -159,7 +159,7 @@ def build_sft(argv: Sequence[str]):
 
     from ..data.adapters import is_local_dataset
     from ..data.loading import load_traces, with_trace_system_prompt
-    from ..format.prompts import resolve_system_prompt
+    from ..format.registry import get_format, resolve_system_prompt
     from ..models.names import check_hub_id
     from ..models.tokenizers import check_tokenizer, load_tokenizer
     from ..reporting.output_folder import check_output_dir
@@ -179,6 +179,7 @@ def build_sft(argv: Sequence[str]):
         check_hub_id(script_args.dataset_name, "dataset", "dataset_name")  # typos fail here, before any hub call
     tags = Tags.from_config(script_args)
     call_format = script_args.call_format
+    fmt = get_format(call_format)
     tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
 
     def traces(split, max_samples):
@@ -194,18 +195,15 @@ def build_sft(argv: Sequence[str]):
         return _in_format(dataset, script_args.prompt_format, script_args.dataset_name)
 
     train, conversational = traces(script_args.dataset_train_split, script_args.max_train_samples)
-    written = vars(tags) if call_format == "tags" else {}  # the tags the model itself will write
     check_tokenizer(
         tokenizer,
         model_path,
-        written,
+        fmt.written_tags(script_args),  # the tags the model itself will write
         sft_args.pad_token,
-        needs_chat_template=conversational or call_format == "tool_call",
+        needs_chat_template=conversational or fmt.needs_chat_template,
     )
-    if call_format == "tool_call":
-        from ..format.tool_calls import ToolCallFormat
-
-        ToolCallFormat(tokenizer)  # a template TRL cannot parse, or not prefix-preserving: refused now, in one line
+    # A template the format cannot use (e.g. tool calls TRL cannot parse): refused now, in one line.
+    fmt.from_config(script_args, tokenizer)
     system = resolve_system_prompt(script_args.system_prompt, tags, call_format)
     train = with_trace_system_prompt(train, system)
     eval_dataset = None

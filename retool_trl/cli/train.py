@@ -152,7 +152,7 @@ def build_train(argv: Sequence[str]):
 
     from ..data.adapters import check_dataset_name
     from ..data.loading import load_problems
-    from ..format.prompts import Tags
+    from ..format.registry import format_of
     from ..models.tokenizers import check_tokenizer, load_tokenizer
     from ..rewards.registry import check_reward_kwargs, resolve_reward_funcs
 
@@ -172,14 +172,13 @@ def build_train(argv: Sequence[str]):
     tokenizer = load_tokenizer(
         model_path, model_args.model_revision, training_args.trust_remote_code, script_args.chat_template_path
     )
-    # The tags are checked where the model writes them; the other formats' markers are the template's or plain text.
-    tags = vars(Tags.from_config(training_args)) if training_args.call_format == "tags" else {}
+    fmt = format_of(training_args)
     check_tokenizer(
         tokenizer,
         model_path,
-        tags,
+        fmt.written_tags(training_args),  # the tags the model itself writes (other markers are the template's)
         script_args.pad_token,
-        needs_chat_template=script_args.prompt_format == "conversational" or training_args.call_format == "tool_call",
+        needs_chat_template=script_args.prompt_format == "conversational" or fmt.needs_chat_template,
     )
 
     def problems(name, split, config_name, max_samples, seed):

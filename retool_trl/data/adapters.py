@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..format.prompts import add_system_message, add_system_prompt, resolve_system_prompt
+from ..format.prompts import add_system_message, add_system_prompt
+from ..format.registry import resolve_system_prompt
 
 # "auto" follows the data: conversational when the problems are already conversations, plain text otherwise.
 PROMPT_FORMATS = ("conversational", "plain", "auto")

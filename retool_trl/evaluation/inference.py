@@ -6,9 +6,8 @@ from collections.abc import Sequence
 
 from transformers import GenerationConfig
 
-from ..format.choice import call_format_from_config, call_stop
 from ..format.parsing import with_system_prompt
-from ..format.tool_calls import TOOLS
+from ..format.registry import format_of
 from ..rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
 from ..rollout.engines.transformers_generate import TransformersBackend
 from ..sandbox.factory import sandbox_from_config, with_cell_limits
@@ -64,7 +63,7 @@ def tokenize_prompts(tokenizer, prompts: Sequence, args) -> list[list[int]]:
         processing_class=tokenizer,
         _is_vlm=False,
         environment_factories=None,
-        tools=TOOLS if getattr(args, "call_format", "tags") == "tool_call" else None,
+        tools=format_of(args).tools,
         chat_template=None,
         chat_template_kwargs=args.chat_template_kwargs or {},
     )
@@ -93,9 +92,10 @@ def generate_with_interpreter(
         `SandboxUnavailableError`: The sandbox cannot run a trivial cell, or every call of a batch failed in it.
     """
     eos_token_ids = eos_token_ids_of(model, tokenizer)
-    spec = RolloutSpec.from_config(args, eos_token_ids, call_format=call_format_from_config(args, tokenizer))
+    call_format = format_of(args).from_config(args, tokenizer)
+    spec = RolloutSpec.from_config(args, eos_token_ids, call_format=call_format)
     backend = TransformersBackend(
-        model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), call_stop(args), eos_token_ids
+        model, tokenizer, generation_config_from(args, tokenizer, eos_token_ids), call_format.stop, eos_token_ids
     )
     prompt_ids = tokenize_prompts(tokenizer, prompts, args)
     own_sandbox = sandbox is None

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.choice import prose_format
 from ..format.parsing import Tags
+from ..format.registry import format_of
 from ..rewards.functions import final_answer, is_equivalent
 
 
@@ -217,7 +217,7 @@ def evaluate(
 
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
-    tags = prose_format(args)  # the model's own prose, in the call format it writes
+    tags = format_of(args).prose_for(args)  # the model's own prose, in the call format it writes
     own_sandbox = sandbox is None
     sandbox = sandbox_from_config(args) if own_sandbox else sandbox
     records: list[dict] = []

@@ -1,31 +1,28 @@
-"""How the model calls the interpreter: one small object per call format (`ReToolConfig.call_format`).
+"""What a call format is: the one class a format writes, and what the rest of the package asks of it.
 
-The rollout asks a format three things, and nothing else about the text: where a call ends (`stop`, or the end of an
-assistant turn for `calls_at_turn_end`), what code a finished turn carries (`calls`), and which ids the results
-insert (`result_ids`). The rewards ask it what the model wrote outside its calls and their results (`model_prose`).
-So the two rollout loops, the engines, the mask and the rewards stay the same for every format:
+A call format (`ReToolConfig.call_format`) says how the model calls the interpreter and how the result comes back.
+Everything about a format lives on its class, and nothing outside `retool_trl.format` reads a format's name:
 
-- `tags` ([`TagFormat`]): the ReTool paper's inline tags, `<code>...</code>` answered by
-  `<interpreter>...</interpreter>`;
-- `markdown` ([`MarkdownFormat`]): a ```` ```python ```` block, answered by an ```` ```output ```` fence (the Zero-RL
-  line of work: ToRL, SimpleTIR, ZeroTIR). Generation stops at a closing fence followed by a newline, which an
-  opening fence (```` ```python ````) never matches;
-- `tool_call` (`tool_calls.ToolCallFormat`): the chat template's own tool calls to a `code_interpreter` tool, parsed
-  and rendered with TRL's pieces (it needs the tokenizer, so it lives in its own module).
+- the user surface: its `name`, a one-line `summary` (the config's and the command line's help), the cells of the
+  docs' formats table (`writes`, `answered_by`, `stops_at`), its shipped system prompts (`prompts`, one per shipped
+  prompt name), the tools its prompt carries (`tools`), whether it needs a chat template, and the evaluation
+  options it sets where the user did not (`eval_defaults`);
+- the rollout, which asks three things and nothing else about the text: where a call ends (`stop`, or the end of an
+  assistant turn for `calls_at_turn_end`), what code a finished turn carries (`calls`), and which ids the results
+  insert (`result_ids`);
+- the rewards: what the model wrote outside its calls and their results (`model_prose`);
+- cold-start SFT: a ReTool-style trace rewritten in the format (`sft_trace`).
 
-Strings only here: no torch, no TRL.
+A new format is one class, registered with `retool_trl.format.register_format`. Strings only here: no torch, no TRL.
 """
 
 from __future__ import annotations
 
-import re
-import textwrap
 from dataclasses import dataclass
+from typing import ClassVar
 
-from .parsing import clean_output, extract_code, remove_first_spans
-from .prompts import Tags
-
-CALL_FORMATS = ("tags", "tool_call", "markdown")
+from .parsing import clean_output, remove_first_spans
+from .prompts import SHIPPED_PROMPTS, Tags
 
 
 @dataclass(frozen=True)
@@ -38,23 +35,102 @@ class Call:
     counted: bool = True  # False for a call past the limit: answered without running, not counted
 
 
-class StopFormat:
+@dataclass(frozen=True)
+class SFTTrace:
+    """A ReTool-style trace rewritten in a call format, for cold-start SFT (`retool_trl.sft` tokenizes it).
+
+    Either `text`, the completion as the model writes it in the format, with `spans` the markers of its calls
+    (`code_start`/`code_end`) and of the inserted results (`interpreter_start`/`interpreter_end`, masked from the
+    loss); or `messages`, chat messages (assistant turns with `tool_calls`, `tool` results) the chat template renders.
+    """
+
+    text: str | None = None
+    spans: Tags | None = None
+    messages: list[dict] | None = None
+
+
+class CallFormat:
+    """The base of every call format (see the module docstring). Subclasses set the class attributes and implement
+    `calls`, `result_ids` and `sft_trace`; `StopFormat` does most of it for a format whose call ends at a string."""
+
+    # --- the user surface (read by the registry, the config, the command line and the docs' table)
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line: what the model writes and what comes back
+    writes: ClassVar[str]  # the docs' formats table: an example of a call ...
+    answered_by: ClassVar[str]  # ... what the result comes back as ...
+    stops_at: ClassVar[str]  # ... and where a turn stops
+    # The shipped system prompts, one for each name in `prompts.SHIPPED_PROMPTS`, worded for this format. They may
+    # name the configured tags as `{code_start}`, `{code_end}`, `{interpreter_start}`, `{interpreter_end}`.
+    prompts: ClassVar[dict[str, str]]
+    tools: ClassVar[list[dict] | None] = None  # tool schemas the prompt carries (the chat template renders them)
+    needs_chat_template: ClassVar[bool] = False
+    # Options of `retool-trl eval` this format sets where the user did not (e.g. conversational prompts).
+    eval_defaults: ClassVar[dict] = {}
+
+    # --- the rollout
+    stop: str | None = None
+    calls_at_turn_end = False
+    kept_texts: tuple[str, ...] = ()  # strings kept in the model's text even where a tokenizer makes them special
+    spans: tuple[tuple[str, str], ...] = ()  # (start, end) of what is not the model's prose: calls and results
+    guarded: tuple[str, ...] = ()  # strings printed output must not contain (they could close a result or open a call)
+
+    @classmethod
+    def from_config(cls, args, tokenizer=None) -> CallFormat:
+        """The format of a config (`ReToolConfig`, or any object with the four tags): what the rollout asks."""
+        return cls()
+
+    @classmethod
+    def stop_for(cls, args) -> str | None:
+        """The string the engines stop a turn at (`None`: the turn's own end), without a tokenizer."""
+        return cls.from_config(args).stop
+
+    @classmethod
+    def prose_for(cls, args):
+        """What the rewards need, without a tokenizer: an object with `model_prose(text)`."""
+        return cls.from_config(args)
+
+    @classmethod
+    def written_tags(cls, args) -> dict[str, str]:
+        """The configured tags the model itself writes (checked against its tokenizer); none for most formats."""
+        return {}
+
+    @classmethod
+    def system_prompt(cls, name: str, tags: Tags = Tags()) -> str | None:
+        """The shipped prompt `name` worded for this format (the configured tags filled in), `None` if not shipped."""
+        template = cls.prompts.get(name)
+        if template is None:
+            return None
+        return template.format(**vars(tags))
+
+    def calls(self, call_text):
+        """The calls a finished turn carries (list of `Call`)."""
+        raise NotImplementedError
+
+    def result_ids(self, tokenizer, outputs: list[list[str]]) -> list[list[int]]:
+        """The ids each row's results insert (one list of cleaned, truncated outputs per row: one per call)."""
+        raise NotImplementedError
+
+    def clean(self, output: str) -> str:
+        """Printed output made safe to insert (valid text, every guarded string defanged)."""
+        return clean_output(output, self.guarded)
+
+    def model_prose(self, text: str) -> str:
+        """The text the model wrote outside its calls and their results (where a final answer counts)."""
+        return remove_first_spans(text, self.spans)
+
+    @classmethod
+    def sft_trace(cls, completion: str, tags: Tags = Tags()) -> SFTTrace:
+        """A ReTool-style trace (`completion`, marked with `tags`) as the model writes it in this format."""
+        raise NotImplementedError
+
+
+class StopFormat(CallFormat):
     """A format whose call ends at a stop string written by the model (`tags`, `markdown`).
 
     The engines stop a turn at the token completing `stop`; that token may carry characters after the stop (with a
     byte-level BPE, `</code>` is often completed by `><` or `>\\n\\n`). Those characters belong to the text that
     follows: the rollout keeps them (`carry`) and reads them as the start of the next turn.
     """
-
-    name = "tags"
-    stop: str | None = None
-    calls_at_turn_end = False
-    # Strings kept in the model's text even where a tokenizer registers them as special tokens.
-    kept_texts: tuple[str, ...] = ()
-    # (start, end) pairs of what is not the model's prose: its code and the results inserted for it.
-    spans: tuple[tuple[str, str], ...] = ()
-    # Strings that printed output must not contain (they could close the result early or open a call).
-    guarded: tuple[str, ...] = ()
 
     def split(self, text: str) -> tuple[str, str] | None:
         """`(call text, carried text)` when `text` reached the stop: the call text ends with the stop, the rest is
@@ -69,19 +145,14 @@ class StopFormat:
         """The call that `call_text` (ending with the stop) closes: none when the stop closed no code block."""
         raise NotImplementedError
 
-    def clean(self, output: str) -> str:
-        """Printed output made safe to insert (valid text, every guarded string defanged)."""
-        return clean_output(output, self.guarded)
-
     def result_texts(self, outputs: list[str]) -> tuple[str, str]:
+        """The frame around a result: `(before, after)`."""
         raise NotImplementedError
 
     def result_ids(self, tokenizer, outputs: list[list[str]]) -> list[list[int]]:
-        """The ids each row's results insert (one list of cleaned, truncated outputs per row: one output per call).
-
-        The output is encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by code
-        stays text and never becomes a control token; the frame around it is encoded as the tokenizer defines it.
-        """
+        """The output is encoded on its own with `split_special_tokens`, so text such as `<|endoftext|>` printed by
+        code stays text and never becomes a control token; the frame around it is encoded as the tokenizer defines
+        it."""
         if not outputs:  # never call the tokenizer on an empty batch
             return []
         start, end = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.result_texts([]))
@@ -89,84 +160,5 @@ class StopFormat:
         encoded = tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return [[*start, *body, *end] for body in encoded]
 
-    def model_prose(self, text: str) -> str:
-        """The text the model wrote outside its calls and their results (where a final answer counts)."""
-        return remove_first_spans(text, self.spans)
 
-
-class TagFormat(StopFormat):
-    """The ReTool paper's tags (configurable): `code_start` code `code_end`, answered by `interpreter_start` output
-    `interpreter_end`."""
-
-    name = "tags"
-
-    def __init__(self, tags: Tags = Tags()):
-        self.tags = tags
-        self.stop = tags.code_end
-        self.kept_texts = (tags.code_start, tags.code_end, tags.interpreter_start, tags.interpreter_end)
-        self.spans = ((tags.code_start, tags.code_end), (tags.interpreter_start, tags.interpreter_end))
-        self.guarded = self.kept_texts
-
-    def calls(self, call_text: str) -> list[Call]:
-        code = extract_code(call_text, self.tags)
-        return [] if code is None else [Call(code)]
-
-    def result_texts(self, outputs):
-        return self.tags.interpreter_start, self.tags.interpreter_end
-
-
-_OPENING = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\r?\n")
-PYTHON_LANGUAGES = ("python", "python3", "py", "py3")
-
-
-class MarkdownFormat(StopFormat):
-    """```` ```python ```` code blocks, answered by an ```` ```output ```` fence.
-
-    The turn stops at a closing fence followed by a newline (```` ```\\n ````): an opening fence carries its language
-    (```` ```python\\n ````), so it never matches. A closing fence whose block was not opened as Python (a bare
-    ```` ``` ```` fence, a ```` ```text ```` block) is not a call: the model goes on.
-    """
-
-    name = "markdown"
-    stop = "```\n"
-    kept_texts = ("```",)
-    # A block ends where the call ended, at the stop (code may hold a fence inside a string: `print('```')`).
-    spans = tuple((f"```{lang}", "```\n") for lang in (*PYTHON_LANGUAGES, "output"))
-    guarded = ("```",)
-
-    def calls(self, call_text: str) -> list[Call]:
-        close = len(call_text) - len(self.stop)
-        opening = None
-        for match in _OPENING.finditer(call_text, 0, close + 1):
-            if match.start() < close:
-                opening = match
-        if opening is None or opening.group(1).lower() not in PYTHON_LANGUAGES:
-            return []
-        code = call_text[opening.end() : close].replace("\r\n", "\n")
-        return [Call(textwrap.dedent(code.strip("\n")))]
-
-    def result_texts(self, outputs):
-        return "```output\n", "\n```\n"
-
-    def result_ids(self, tokenizer, outputs: list[list[str]]) -> list[list[int]]:
-        # The output's own last newline is the fence's: `42\n` reads "```output\n42\n```".
-        return super().result_ids(tokenizer, [[out.rstrip("\n") for out in row] for row in outputs])
-
-
-def stop_format(call_format: str, tags: Tags = Tags()) -> StopFormat:
-    """The string-only format for a `call_format` name; `tool_call` needs a tokenizer (`tool_calls.ToolCallFormat`)."""
-    if call_format == "markdown":
-        return MarkdownFormat()
-    if call_format == "tags":
-        return TagFormat(tags)
-    raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
-
-
-__all__ = [
-    "CALL_FORMATS",
-    "Call",
-    "MarkdownFormat",
-    "StopFormat",
-    "TagFormat",
-    "stop_format",
-]
+__all__ = ["SHIPPED_PROMPTS", "Call", "CallFormat", "SFTTrace", "StopFormat"]

@@ -1,20 +1,10 @@
-"""ReTool-style traces (`<code>...</code><interpreter>...</interpreter>`) rewritten in another call format, for
-cold-start SFT in the format RL will use (`retool-trl sft --call_format ...`). Strings only.
-
-- `markdown`: each code block becomes a ```` ```python ```` block closed by ```` ```\\n ```` (where the rollout stops),
-  its interpreter block an ```` ```output ```` fence, as the rollout inserts it;
-- `tool_call`: the trace becomes assistant messages with `tool_calls` to `code_interpreter`, each answered by a
-  `tool` message, then the final assistant message; the chat template renders them (`retool_trl.sft`).
-"""
+"""Reading a ReTool-style trace (`<code>...</code><interpreter>...</interpreter>`) cell by cell, so each call format
+can rewrite it in its own markup for cold-start SFT (`CallFormat.sft_trace`). Strings only."""
 
 from __future__ import annotations
 
-from .calls import MarkdownFormat
 from .parsing import strip_code_fence
 from .prompts import Tags
-
-# The markdown format as tags, for the span splitting of SFT traces (the output fence is the environment's span).
-MARKDOWN_TAGS = Tags("```python\n", MarkdownFormat.stop, "```output\n", "\n```\n")
 
 
 def trace_cells(completion: str, tags: Tags = Tags()) -> list[tuple[str, str | None, str | None]]:
@@ -42,31 +32,4 @@ def trace_cells(completion: str, tags: Tags = Tags()) -> list[tuple[str, str | N
         cells.append((prose, code, output))
 
 
-def to_markdown(completion: str, tags: Tags = Tags()) -> str:
-    """The trace with ```` ```python ```` blocks and ```` ```output ```` fences in place of the tags."""
-    pieces = []
-    for prose, code, output in trace_cells(completion, tags):
-        pieces.append(prose)
-        if code is not None:
-            newline = "" if not prose or prose.endswith("\n") else "\n"
-            pieces.append(f"{newline}```python\n{code}\n```\n")
-            if output is not None:
-                pieces.append(f"```output\n{output.rstrip(chr(10))}\n```\n")
-    return "".join(pieces)
-
-
-def to_tool_messages(completion: str, tags: Tags = Tags(), tool_name: str = "code_interpreter") -> list[dict]:
-    """The trace as chat messages: an assistant message per code call (its prose as content, the code as a tool
-    call), a `tool` message with the interpreter's output after each, and the closing assistant message."""
-    messages = []
-    for prose, code, output in trace_cells(completion, tags):
-        if code is None:
-            messages.append({"role": "assistant", "content": prose.strip()})
-            break
-        call = {"type": "function", "function": {"name": tool_name, "arguments": {"code": code}}}
-        messages.append({"role": "assistant", "content": prose.strip(), "tool_calls": [call]})
-        messages.append({"role": "tool", "name": tool_name, "content": output or ""})
-    return messages
-
-
-__all__ = ["MARKDOWN_TAGS", "to_markdown", "to_tool_messages", "trace_cells"]
+__all__ = ["trace_cells"]

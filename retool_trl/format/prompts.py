@@ -1,4 +1,4 @@
-"""The text format's shared facts: the tags, the shipped system prompts and how a system message is added.
+"""The text format's shared facts: the tags, the shipped system prompts' names and how a system message is added.
 
 A leaf module (no imports from the package, no TRL): the config, the parsers, the data adapters and the command line
 all read their defaults from here, so each fact is written once.
@@ -24,68 +24,9 @@ class Tags:
         return cls(args.code_start, args.code_end, args.interpreter_start, args.interpreter_end)
 
 
-# System prompts shipped with the package, selectable by name (`system_prompt: retool`). Written for this project;
-# the format is the ReTool paper's. `{code_start}` etc. are filled with the configured tags.
-SYSTEM_PROMPTS: dict[str, str] = {
-    "retool": (
-        "Solve the problem step by step. You have a Python interpreter: to run code, write it between {code_start} "
-        "and {code_end}. Generation stops after {code_end}, the code runs in a persistent session (variables and "
-        "imports carry over between calls), and what it prints is returned between {interpreter_start} and "
-        "{interpreter_end}. Use the interpreter for exact computation and to check your reasoning; print the values "
-        "you need. When you are done, write the final answer once as \\boxed{{answer}}."
-    ),
-    "retool_concise": (
-        "Use Python between {code_start} and {code_end} for any computation; its output appears between "
-        "{interpreter_start} and {interpreter_end}. End with the final answer in \\boxed{{}}."
-    ),
-}
-
-
-# The shipped prompts as each other call format words them (same names): the model is told its own format.
-FORMAT_PROMPTS: dict[str, dict[str, str]] = {
-    "tool_call": {
-        "retool": (
-            "Solve the problem step by step. You can call the `code_interpreter` tool to run Python code in a "
-            "persistent session (variables and imports carry over between calls); it returns what the code prints. "
-            "Use it for exact computation and to check your reasoning; print the values you need. When you are done, "
-            "write the final answer once as \\boxed{answer}."
-        ),
-        "retool_concise": (
-            "Call the `code_interpreter` tool for any computation. End with the final answer in \\boxed{}."
-        ),
-    },
-    "markdown": {
-        "retool": (
-            "Solve the problem step by step. You have a Python interpreter: to run code, write it in a ```python "
-            "block. Generation stops after the closing fence, the code runs in a persistent session (variables and "
-            "imports carry over between calls), and what it prints is returned in an ```output block. Use the "
-            "interpreter for exact computation and to check your reasoning; print the values you need. When you are "
-            "done, write the final answer once as \\boxed{answer}."
-        ),
-        "retool_concise": (
-            "Use ```python blocks for any computation; their output appears in ```output blocks. End with the final "
-            "answer in \\boxed{}."
-        ),
-    },
-}
-
-
-def resolve_system_prompt(name_or_text: str | None, tags: Tags = Tags(), call_format: str = "tags") -> str | None:
-    """The system prompt text for a setting: a shipped name (filled with `tags`, worded for `call_format`), a
-    literal prompt used as written, or `None` for `None`/`"none"`."""
-    if name_or_text is None or name_or_text.strip().lower() == "none":
-        return None
-    if name_or_text in FORMAT_PROMPTS.get(call_format, {}):
-        return FORMAT_PROMPTS[call_format][name_or_text]
-    template = SYSTEM_PROMPTS.get(name_or_text)
-    if template is None:
-        return name_or_text
-    return template.format(
-        code_start=tags.code_start,
-        code_end=tags.code_end,
-        interpreter_start=tags.interpreter_start,
-        interpreter_end=tags.interpreter_end,
-    )
+# The names of the system prompts shipped with the package (`system_prompt: retool`). Each call format words each
+# of them for itself (`CallFormat.prompts`): the model is told the format it must write.
+SHIPPED_PROMPTS = ("retool", "retool_concise")
 
 
 def add_system_message(messages: list, system_prompt: str | None) -> list:
@@ -145,11 +86,10 @@ def read_prompt_settings(folder) -> dict:
 
 __all__ = [
     "PROMPT_SETTINGS",
-    "SYSTEM_PROMPTS",
+    "SHIPPED_PROMPTS",
     "Tags",
     "add_system_message",
     "add_system_prompt",
     "read_prompt_settings",
-    "resolve_system_prompt",
     "write_prompt_settings",
 ]

@@ -19,8 +19,11 @@ import json
 from types import SimpleNamespace
 
 from ..errors import UserError
-from .calls import Call
+from .calls import Call, CallFormat, SFTTrace
+from .convert import trace_cells
 from .parsing import clean_output, remove_first_spans
+from .prompts import Tags
+from .registry import register_format
 
 TOOL_NAME = "code_interpreter"
 CODE_TOOL = {
@@ -74,12 +77,54 @@ def _json_end(text: str, start: int) -> int:
     return len(text)
 
 
-class ToolCallFormat(ToolProse):
+@register_format
+class ToolCallFormat(ToolProse, CallFormat):
     """The chat template's tool calls (see the module docstring). Built once per tokenizer."""
 
     name = "tool_call"
+    summary = "the chat template's own tool calls to a `code_interpreter` tool, results as tool messages"
+    writes = (
+        'its template\'s tool call, e.g. Qwen\'s `<tool_call>{"name": "code_interpreter", "arguments": '
+        '{"code": "print(6*7)"}}</tool_call>`'
+    )
+    answered_by = "a `tool` message, rendered by the chat template"
+    stops_at = "the end of the assistant turn (e.g. `<\\|im_end\\|>`)"
+    prompts = {
+        "retool": (
+            "Solve the problem step by step. You can call the `code_interpreter` tool to run Python code in a "
+            "persistent session (variables and imports carry over between calls); it returns what the code prints. "
+            "Use it for exact computation and to check your reasoning; print the values you need. When you are done, "
+            "write the final answer once as \\boxed{{answer}}."
+        ),
+        "retool_concise": (
+            "Call the `code_interpreter` tool for any computation. End with the final answer in \\boxed{{}}."
+        ),
+    }
+    tools = TOOLS  # the template writes the tool's schema and its instructions into the prompt
+    needs_chat_template = True
+    # A plain-text prompt would carry no tool schema: the template renders it into conversations only.
+    eval_defaults = {"prompt_format": "conversational"}
+
     stop = None  # a turn ends at the template's end-of-turn token, calls and all
     calls_at_turn_end = True
+
+    @classmethod
+    def from_config(cls, args, tokenizer=None) -> ToolCallFormat:
+        if tokenizer is None:
+            raise ValueError("call_format='tool_call' needs the tokenizer")
+        return cls(tokenizer, getattr(args, "chat_template_kwargs", None))
+
+    @classmethod
+    def stop_for(cls, args) -> None:
+        return None
+
+    @classmethod
+    def prose_for(cls, args) -> ToolProse:
+        return ToolProse()
+
+    @classmethod
+    def sft_trace(cls, completion: str, tags: Tags = Tags()) -> SFTTrace:
+        return SFTTrace(messages=to_tool_messages(completion, tags))
 
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
         from trl.chat_template_utils import add_response_schema, is_chat_template_prefix_preserving
@@ -216,4 +261,18 @@ def _call_markers(tokenizer) -> tuple[str, ...]:
     return tuple(head.split()[-1:])  # the last piece: a thinking block may come before it (Qwen3)
 
 
-__all__ = ["CODE_TOOL", "TOOLS", "TOOL_NAME", "ToolCallFormat", "ToolProse"]
+def to_tool_messages(completion: str, tags: Tags = Tags(), tool_name: str = TOOL_NAME) -> list[dict]:
+    """The trace as chat messages: an assistant message per code call (its prose as content, the code as a tool
+    call), a `tool` message with the interpreter's output after each, and the closing assistant message."""
+    messages = []
+    for prose, code, output in trace_cells(completion, tags):
+        if code is None:
+            messages.append({"role": "assistant", "content": prose.strip()})
+            break
+        call = {"type": "function", "function": {"name": tool_name, "arguments": {"code": code}}}
+        messages.append({"role": "assistant", "content": prose.strip(), "tool_calls": [call]})
+        messages.append({"role": "tool", "name": tool_name, "content": output or ""})
+    return messages
+
+
+__all__ = ["CODE_TOOL", "TOOLS", "TOOL_NAME", "ToolCallFormat", "ToolProse", "to_tool_messages"]

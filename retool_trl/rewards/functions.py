@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 from math_verify import LatexExtractionConfig, parse, verify
 
-from ..format.choice import prose_format
 from ..format.parsing import Tags, last_boxed, model_prose
+from ..format.registry import format_of
 
 
 def _completion_text(completion) -> str:
@@ -198,7 +198,7 @@ def bind_config(func: Callable, args) -> Callable:
         "incorrect_reward": args.incorrect_reward,
         "drop_infra_failures": args.drop_infra_failures,
         "tool_use_bonus": args.tool_use_bonus,
-        "tags": prose_format(args),
+        "tags": format_of(args).prose_for(args),
     }
     accepted = inspect.signature(func).parameters
     settings = {name: value for name, value in settings.items() if name in accepted}

@@ -21,8 +21,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..format.calls import Call, TagFormat
+from ..format.calls import Call
 from ..format.parsing import Tags, last_boxed
+from ..format.tags import TagFormat
 from ..sandbox import ExecResult, truncate_output
 from .types import GenerationBackend, TurnOutput
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ...format.choice import call_stop
+from ...format.registry import format_of
 from ..turns import (
     EngineError,
     EngineRequestError,
@@ -406,7 +406,7 @@ def server_engine_from_config(
     return CompletionsEngine(
         base_url,
         tokenizer,
-        call_stop(args),
+        format_of(args).stop_for(args),
         sampling=sampling_from_vllm(vllm_generation),
         timeout_s=args.vllm_request_timeout_s,
         max_connections=args.rollout_concurrency,
