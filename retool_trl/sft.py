@@ -137,10 +137,9 @@ def tokenize_tool_trace(
 ) -> dict[str, list[int]]:
     """Tokenizes a ReTool-style trace as native tool calls (`call_format='tool_call'`), as the rollout builds them
     (see [`tokenize_tool_messages`])."""
-    fmt = get_format("tool_call")
-    return tokenize_tool_messages(
-        tokenizer, prompt, fmt.sft_trace(completion, tags).messages, fmt.tools, chat_template_kwargs
-    )
+    from .format.tool_calls import TOOLS, to_tool_messages
+
+    return tokenize_tool_messages(tokenizer, prompt, to_tool_messages(completion, tags), TOOLS, chat_template_kwargs)
 
 
 def tokenize_tool_messages(

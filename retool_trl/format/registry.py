@@ -8,6 +8,7 @@ missing summary or docs cell, or a shipped system prompt the format does not wor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from .calls import CallFormat
@@ -15,6 +16,30 @@ from .prompts import SHIPPED_PROMPTS, Tags
 
 _FORMATS: dict[str, type[CallFormat]] = {}
 _DESCRIBED_BY = ("summary", "writes", "answered_by", "stops_at")
+# Formats other packages declare (`[project.entry-points."retool_trl.call_formats"]`), loaded at the first lookup.
+ENTRY_POINT_GROUP = "retool_trl.call_formats"
+_plugins_loaded = False
+
+
+def _formats() -> dict[str, type[CallFormat]]:
+    """The registered formats, after loading those other packages declare (once: importing a plugin's module
+    registers its class; a class its module leaves unregistered is registered here)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        from importlib.metadata import entry_points
+
+        for entry in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                cls = entry.load()
+            except Exception as error:  # noqa: BLE001 - one broken plugin must not hide the built-in formats
+                logging.getLogger(__name__).warning(
+                    "call format plugin %s could not be loaded: %s", entry.value, error
+                )
+                continue
+            if getattr(cls, "name", None) not in _FORMATS:
+                register_format(cls)
+    return _FORMATS
 
 
 def register_format(cls: type[CallFormat]) -> type[CallFormat]:
@@ -52,13 +77,13 @@ class _Names(Sequence):
     the config and of the command line's parsers built before it)."""
 
     def __getitem__(self, index):
-        return list(_FORMATS)[index]
+        return list(_formats())[index]
 
     def __len__(self) -> int:
-        return len(_FORMATS)
+        return len(_formats())
 
     def __repr__(self) -> str:
-        return repr(list(_FORMATS))
+        return repr(list(_formats()))
 
 
 FORMAT_NAMES: Sequence[str] = _Names()
@@ -66,10 +91,11 @@ FORMAT_NAMES: Sequence[str] = _Names()
 
 def get_format(name: str) -> type[CallFormat]:
     """The registered format class called `name`; a `ValueError` naming the choices otherwise."""
+    formats = _formats()
     try:
-        return _FORMATS[name]
+        return formats[name]
     except (KeyError, TypeError):
-        raise ValueError(f"call_format must be one of {', '.join(_FORMATS)}, got {name!r}.") from None
+        raise ValueError(f"call_format must be one of {', '.join(formats)}, got {name!r}.") from None
 
 
 def format_of(args) -> type[CallFormat]:
@@ -79,13 +105,13 @@ def format_of(args) -> type[CallFormat]:
 
 def formats_help() -> str:
     """The registered formats in one line, for the config's and the command line's help."""
-    return "; ".join(f"'{name}': {cls.summary}" for name, cls in _FORMATS.items())
+    return "; ".join(f"'{name}': {cls.summary}" for name, cls in _formats().items())
 
 
 def formats_table() -> str:
     """The docs' formats table (Markdown), from the registered classes."""
     rows = ["| format | the model writes | the result comes back as | a turn stops at |", "|---|---|---|---|"]
-    for i, (name, cls) in enumerate(_FORMATS.items()):
+    for i, (name, cls) in enumerate(_formats().items()):
         label = f"`{name}`" + (" (default)" if i == 0 else "")
         rows.append(f"| {label} | {cls.writes} | {cls.answered_by} | {cls.stops_at} |")
     return "\n".join(rows)
@@ -102,6 +128,7 @@ def resolve_system_prompt(name_or_text: str | None, tags: Tags = Tags(), call_fo
 
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "FORMAT_NAMES",
     "format_of",
     "formats_help",
