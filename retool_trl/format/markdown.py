@@ -25,7 +25,7 @@ class MarkdownFormat(StopFormat):
     """```` ```python ```` code blocks, answered by an ```` ```output ```` fence (see the module docstring)."""
 
     name = "markdown"
-    summary = "```python blocks, answered by ```output fences (the Zero-RL format)"
+    summary = "```python blocks, ```output fences"
     writes = "```` ```python ```` + code + ```` ``` ````"
     answered_by = "```` ```output ```` + output + ```` ``` ````"
     stops_at = "a closing fence followed by a newline"

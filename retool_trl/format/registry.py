@@ -105,7 +105,7 @@ def format_of(args) -> type[CallFormat]:
 
 def formats_help() -> str:
     """The registered formats in one line, for the config's and the command line's help."""
-    return "; ".join(f"'{name}': {cls.summary}" for name, cls in _formats().items())
+    return ", ".join(f"'{name}' ({cls.summary})" for name, cls in _formats().items())
 
 
 def formats_table() -> str:

@@ -14,7 +14,7 @@ class TagFormat(StopFormat):
     """`code_start` code `code_end`, answered by `interpreter_start` output `interpreter_end`."""
 
     name = "tags"
-    summary = "the code and interpreter tags below (the ReTool paper's format)"
+    summary = "the tags below, the ReTool paper's"
     writes = "`<code>print(6*7)</code>`"
     answered_by = "`<interpreter>42</interpreter>`"
     stops_at = "the code-end tag"

@@ -82,7 +82,7 @@ class ToolCallFormat(ToolProse, CallFormat):
     """The chat template's tool calls (see the module docstring). Built once per tokenizer."""
 
     name = "tool_call"
-    summary = "the chat template's own tool calls to a `code_interpreter` tool, results as tool messages"
+    summary = "its chat template's tool calls"
     writes = (
         'its template\'s tool call, e.g. Qwen\'s `<tool_call>{"name": "code_interpreter", "arguments": '
         '{"code": "print(6*7)"}}</tool_call>`'
