@@ -15,7 +15,7 @@ from retool_trl import ReToolConfig
 from retool_trl.format.calls import MarkdownFormat, TagFormat, stop_format
 from retool_trl.format.choice import call_format_from_config
 from retool_trl.rewards.functions import boxed_accuracy, final_answer
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 from testing_utils import make_char_tokenizer, trainer_for
 
