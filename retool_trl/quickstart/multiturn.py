@@ -20,7 +20,7 @@ from functools import partial
 
 from ..data.synthetic import FAILURES, MULTITURN_CELL_CHARS, Problem, multiturn_failing_cell
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..reporting.plotting import Panel
+from ..reporting.panels import Panel
 from ..reporting.run_logs import accuracy_of
 from ..rewards.functions import boxed_accuracy_and_recovery
 from ..sandbox.cell_limits import CellLimits
