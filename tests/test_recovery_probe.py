@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from retool_trl.data.synthetic import (
+from retool_trl.data.synthetic_multiturn import (
     FAILURES,
     MULTITURN_CELL_CHARS,
     make_multiturn_splits,
