@@ -4,7 +4,7 @@
   it only on code you trust), with forced outputs per snippet;
 - [`ScriptedBackend`]: a generation backend that "writes" fixed texts token by token, as a model would.
 
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from retool_trl.testing import FakeSandbox, ScriptedBackend
 
     backend = ScriptedBackend(tokenizer, ["<code>print(6*7)</code>So \\boxed{42}."])

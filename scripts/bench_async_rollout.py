@@ -72,7 +72,7 @@ from bench_async_parts import (  # noqa: E402
 )
 from gpu_cost_model import MODELS, run_gpu_model  # noqa: E402
 
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.rollout.per_completion import async_rollout  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 

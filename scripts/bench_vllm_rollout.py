@@ -180,7 +180,7 @@ def bench_vllm(args) -> None:
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.data.synthetic import make_arithmetic_dataset
     from retool_trl.quickstart import model_path
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from retool_trl.rollout.engines.vllm_batched import VLLMBackend
     from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
     from retool_trl.rollout.per_completion import async_rollout

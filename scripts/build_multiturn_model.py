@@ -2,7 +2,7 @@
 
 The first quickstart's checkpoint (same character-level tokenizer and tags; it already copies an expression into
 code and an interpreter's output into `\\boxed{}`), cold-started further with `retool_trl.sft` on synthetic multi-turn
-traces (`retool_trl.data.synthetic.multiturn_trace`): half
+traces (`retool_trl.data.synthetic_multiturn.multiturn_trace`): half
 solve `a*b+c*d+e*f` cleanly in two dependent cells, half start with a failing cell (NameError, SyntaxError, a cell
 over the length budget), and of those 60% read the error and correct it while 40% give up. Prompt and interpreter
 tokens are masked from the loss. The weights are stored in float16 (the config keeps `dtype: float32`, so they load
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from retool_trl.data.synthetic import make_multiturn_sft_traces
+from retool_trl.data.synthetic_multiturn import make_multiturn_sft_traces
 from retool_trl.quickstart import QUICKSTART_MODEL_DIR, build_char_tokenizer, build_tiny_model
 from retool_trl.quickstart.multiturn import MULTITURN_MODEL_DIR, MultiturnTask
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start

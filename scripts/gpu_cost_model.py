@@ -272,7 +272,7 @@ def run_gpu_model(model: str, batch: int, seed: int, runs: int, scale: float = 1
     from transformers import AutoTokenizer
 
     from retool_trl.quickstart import model_path
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
     from retool_trl.rollout.per_completion import async_rollout
     from retool_trl.sandbox import LocalSandbox

@@ -4,7 +4,7 @@ so the same check runs on CUDA in fp32 and bf16. Imports no pytest."""
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 from retool_trl.testing import FakeSandbox
 

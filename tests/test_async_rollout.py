@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from retool_trl.rewards.functions import boxed_accuracy
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
 from retool_trl.rollout.types import TurnOutput
 from retool_trl.sandbox import ExecResult, LocalSandbox

@@ -14,7 +14,7 @@ import torch
 from retool_trl import ReToolConfig
 from retool_trl.format import MarkdownFormat, TagFormat, get_format
 from retool_trl.rewards.functions import boxed_accuracy, final_answer
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 from testing_utils import make_char_tokenizer, trainer_for
 

@@ -13,7 +13,7 @@ from retool_trl.cli import main
 from retool_trl.cli import train as cli_train
 from retool_trl.errors import UserError
 from retool_trl.rewards.registry import TRL_REWARD_KWARGS, check_reward_kwargs
-from retool_trl.rollout.batched import ROLLOUT_FIELDS
+from retool_trl.rollout import ROLLOUT_FIELDS
 from testing_utils import make_char_tokenizer, save_tiny_model
 
 CHAT_TEMPLATE = (

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_turn_engines import EOS, TOKENIZER, Script, ids_of
 
-from retool_trl.rollout.batched import RolloutSpec
+from retool_trl.rollout import RolloutSpec
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.testing import FakeSandbox
 from testing_utils import reply_json

@@ -12,7 +12,7 @@ import types
 import pytest
 from test_async_rollout import SCRIPTS, ThreadSafeSandbox
 
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
 from retool_trl.rollout.per_completion import async_rollout
 from retool_trl.testing import ScriptedBackend

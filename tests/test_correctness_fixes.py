@@ -6,7 +6,7 @@ from datasets import Dataset
 from retool_trl import ReToolConfig
 from retool_trl.format.parsing import Tags, model_prose
 from retool_trl.rewards.functions import boxed_accuracy
-from retool_trl.rollout.batched import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
+from retool_trl.rollout import ROLLOUT_FIELDS, RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 from testing_utils import make_bpe_tokenizer, make_char_tokenizer, trainer_for
 

@@ -18,7 +18,7 @@ from test_turn_engines import EOS, TOKENIZER, Script, ids_of
 from vllm_like_server import VLLMLikeServer
 
 from retool_trl import ReToolConfig
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.rollout.turns import finish_turn

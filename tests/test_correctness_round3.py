@@ -17,7 +17,7 @@ from test_correctness_round2 import run_loop
 from test_turn_engines import EOS, TOKENIZER, Script, ids_of
 from vllm_like_server import VLLMLikeServer
 
-from retool_trl.rollout.batched import RolloutSpec
+from retool_trl.rollout import RolloutSpec
 
 
 # ------------------------------------------------------------- the barrier loop on a server sized as TRL advises
@@ -430,7 +430,7 @@ class FailsFirst:
 
 
 def rollout_with(health, sandbox, scripts):
-    from retool_trl.rollout.batched import interleaved_rollout
+    from retool_trl.rollout import interleaved_rollout
     from retool_trl.testing import ScriptedBackend
 
     spec = RolloutSpec(max_completion_length=60, eos_token_ids=[EOS], max_tool_calls=1)

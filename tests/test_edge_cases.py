@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 from retool_trl import ReToolConfig
 from retool_trl.evaluation.inference import eos_token_ids_of
 from retool_trl.rewards.functions import boxed_accuracy
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.types import TurnOutput

@@ -17,7 +17,7 @@ from engine_helpers import VLLMServer  # noqa: E402
 from qwen_vocab import qwen_tokenizer, with_template  # noqa: E402
 
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat  # noqa: E402
-from retool_trl.rollout.batched import RolloutSpec  # noqa: E402
+from retool_trl.rollout import RolloutSpec  # noqa: E402
 from retool_trl.rollout.per_completion import CompletionsEngine, async_rollout  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 from testing_utils import make_tiny_qwen2  # noqa: E402

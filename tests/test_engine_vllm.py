@@ -21,7 +21,7 @@ from trl.generation.vllm_client import VLLMClient  # noqa: E402
 
 from retool_trl import ReToolTrainer  # noqa: E402
 from retool_trl.quickstart import model_path  # noqa: E402
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402
+from retool_trl.rollout import RolloutSpec, interleaved_rollout  # noqa: E402
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend  # noqa: E402
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend  # noqa: E402
 from retool_trl.rollout.engines.vllm_server import CompletionsEngine  # noqa: E402

@@ -7,8 +7,8 @@ in thinking mode, and a chat template given by file must reach evaluation as it 
 import pytest
 
 from retool_trl.cli.eval import parse_eval_args
+from retool_trl.data.prompt_ids import tokenize_prompts
 from retool_trl.errors import UserError
-from retool_trl.evaluation.inference import tokenize_prompts
 from retool_trl.models.tokenizers import load_tokenizer
 from retool_trl.testing import FakeSandbox
 from testing_utils import make_char_tokenizer, trainer_for

@@ -7,7 +7,7 @@ from datasets import Dataset
 
 from retool_trl.config import ReToolConfig
 from retool_trl.evaluation.scoring import EvalReport, compute_metrics, evaluate, score_rollout, write_report
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, make_tiny_qwen2
 
 

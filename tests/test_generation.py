@@ -59,7 +59,7 @@ def test_real_generate_rollout_with_forced_scripts():
     """The full transformers path (real forward passes, HF stopping criteria) on scripted outputs."""
     from transformers import LogitsProcessorList
 
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from testing_utils import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
 
     tokenizer = make_bpe_tokenizer(vocab_size=400)  # tags inside longer tokens
@@ -98,7 +98,7 @@ def test_kv_cache_reuse_across_turns_matches_fresh_prefill():
     after a masked hole) must score every later token exactly as prefilling the whole sequence again does."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from testing_utils import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
 
     class Recorder(LogitsProcessor):

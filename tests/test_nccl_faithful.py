@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from nccl_harness import HostTensorInCollective, check_collective_input, nccl_faithful
 
-from retool_trl.rollout.batched import RolloutResult
+from retool_trl.rollout import RolloutResult
 from retool_trl.testing import FakeSandbox
 from retool_trl.training.metrics import rollout_metrics
 from testing_utils import trainer_for

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from retool_trl.data.synthetic import (
+from retool_trl.data.synthetic_multiturn import (
     FAILURES,
     MULTITURN_CELL_CHARS,
     cell_too_long_error,
@@ -196,7 +196,7 @@ def test_shipped_model_solves_in_dependent_cells_and_needs_the_session_state():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool_trl.data.synthetic import make_multiturn_splits
+    from retool_trl.data.synthetic_multiturn import make_multiturn_splits
     from retool_trl.evaluation.scoring import evaluate
     from retool_trl.quickstart import QuickstartArguments, rl_config
     from retool_trl.quickstart.multiturn import MULTITURN_DEFAULTS, MultiturnTask, multiturn_model_path

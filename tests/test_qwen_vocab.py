@@ -19,7 +19,7 @@ from retool_trl.errors import UserError
 from retool_trl.format import TagFormat
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
 from retool_trl.rewards.functions import boxed_accuracy
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.per_completion import async_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 
@@ -282,6 +282,7 @@ def test_evaluation_uses_the_same_format(qwen_chat, monkeypatch):
     from datasets import Dataset
 
     from retool_trl import ReToolConfig
+    from retool_trl.data.prompt_ids import tokenize_prompts
     from retool_trl.evaluation import inference
     from retool_trl.evaluation.scoring import evaluate
 
@@ -304,7 +305,7 @@ def test_evaluation_uses_the_same_format(qwen_chat, monkeypatch):
     assert made == [None]
     assert [r["num_tool_calls"] for r in report.records] == [2, 1]
     assert [r["correct"] for r in report.records] == [True, False]
-    prompt_ids = inference.tokenize_prompts(qwen_chat, [rows[0]["prompt"]], args)[0]
+    prompt_ids = tokenize_prompts(qwen_chat, [rows[0]["prompt"]], args)[0]
     assert '"name": "code_interpreter"' in qwen_chat.decode(prompt_ids)
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from retool_trl.data.synthetic import (
+from retool_trl.data.synthetic_multiturn import (
     FAILURES,
     MULTITURN_CELL_CHARS,
     make_multiturn_splits,
@@ -191,8 +191,9 @@ def test_probe_prompt_ids_are_those_the_rollout_builds_for_a_cell_the_model_wrot
     merged across the prompt/cell boundary, or added a token at the end of a prompt, would break this.)"""
     from transformers import AutoTokenizer
 
-    from retool_trl.evaluation.inference import tokenize_prompts
-    from retool_trl.rollout.batched import RolloutSpec, interpreter_blocks
+    from retool_trl.data.prompt_ids import tokenize_prompts
+    from retool_trl.rollout import RolloutSpec
+    from retool_trl.rollout.rows import interpreter_blocks
 
     tokenizer = AutoTokenizer.from_pretrained(multiturn_model_path(), padding_side="left")
     config = rl_config(QuickstartArguments(task="multiturn", **MULTITURN_DEFAULTS), tmp_path, True, max_tool_calls=4)

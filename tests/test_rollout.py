@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from testing_utils import (
     FakeSandbox,
     ScriptedBackend,

@@ -81,7 +81,7 @@ def test_self_inflicted_cpu_kill_is_scored_minus_one_through_the_rollout(sandbox
     """End to end: the same attack inside a rollout (which retries infrastructure errors once) and the reward
     `boxed_accuracy` gives it. A wrong answer stays -1: the attack cannot take its completion out of the loss."""
     from retool_trl.rewards.functions import boxed_accuracy
-    from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+    from retool_trl.rollout import RolloutSpec, interleaved_rollout
     from testing_utils import ScriptedBackend, make_char_tokenizer
 
     tokenizer = make_char_tokenizer()

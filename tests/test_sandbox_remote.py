@@ -393,11 +393,12 @@ def test_same_cells_same_results_as_local(server, name):
 def test_a_cell_that_kills_itself_is_not_the_sandboxs_failure(server):
     """Reward hacking: a cell that SIGKILLs its own process must not look like an outage, or the completion would
     be left unscored (no -1) every time the policy writes a wrong answer followed by that cell."""
-    from retool_trl.rollout.batched import _Row, run_cells
+    from retool_trl.rollout.cells import run_cells
+    from retool_trl.rollout.rows import Row
 
     with RemoteSandbox(server.url, timeout_s=5.0) as sb:
         r = sb.session().run("print('wrong')\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
         assert not r.ok and not r.infra_error, r
-        row = _Row(prompt_ids=[1])
+        row = Row(prompt_ids=[1])
         (result,) = run_cells(sb, [(row, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")])
         assert not result.infra_error and not row.infra_failed and row.infra_errors == 0

@@ -11,7 +11,8 @@ import pytest
 from fake_sandboxfusion import serve_fake
 from sandbox_server_helpers import ServerProcess, alive, descendants
 
-from retool_trl.rollout.batched import _Row, run_cells
+from retool_trl.rollout.cells import run_cells
+from retool_trl.rollout.rows import Row
 from retool_trl.sandbox import RemoteSandbox
 
 pytest.importorskip("uvicorn", reason="the sandbox server needs the 'server' extra (starlette, uvicorn)")
@@ -249,7 +250,7 @@ def test_a_server_killed_mid_call_makes_infra_errors_that_the_rollout_retries():
     a, b = ServerProcess("--workers", "2"), ServerProcess("--workers", "2")
     try:
         with RemoteSandbox([a.url, b.url], timeout_s=10.0, retries=1, backoff_s=0.05) as sb:
-            rows = [_Row(prompt_ids=[1]) for _ in range(16)]  # all on one server: a 2**-15 chance
+            rows = [Row(prompt_ids=[1]) for _ in range(16)]  # all on one server: a 2**-15 chance
             run_cells(sb, [(row, f"x = {i}") for i, row in enumerate(rows)])
             for i, row in enumerate(rows):
                 row.cells.append(f"x = {i}")
@@ -264,7 +265,7 @@ def test_a_server_killed_mid_call_makes_infra_errors_that_the_rollout_retries():
             assert not any(row.infra_failed for row in rows)
             assert all(rows[i].session.server == b.url for i in on_a)
         with RemoteSandbox(a.url, retries=1, backoff_s=0.05) as gone:
-            row = _Row(prompt_ids=[1])
+            row = Row(prompt_ids=[1])
             (r,) = run_cells(gone, [(row, "print(1)")])
         assert r.infra_error and not r.ok and row.infra_failed
     finally:

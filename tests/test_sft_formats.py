@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from retool_trl.format.markdown import MarkdownFormat, to_markdown
 from retool_trl.format.tool_calls import to_tool_messages
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sft import build_sft_dataset
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 from testing_utils import make_char_tokenizer

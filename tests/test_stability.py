@@ -7,7 +7,7 @@ import torch
 
 from retool_trl import ReToolConfig
 from retool_trl.rewards.functions import boxed_accuracy, tool_use_shaping
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 from retool_trl.training.stability import resample_on_correct
 from testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, trainer_for

@@ -5,19 +5,21 @@ import re
 import pytest
 
 from retool_trl.data.synthetic import (
-    FAILURES,
     KINDS,
-    MULTITURN_CELL_CHARS,
     PROMPT_TEMPLATE,
     is_held_out,
     make_arithmetic_dataset,
-    make_multiturn_sft_traces,
-    make_multiturn_splits,
     make_sft_traces,
     make_splits,
+    sample_problems,
+)
+from retool_trl.data.synthetic_multiturn import (
+    FAILURES,
+    MULTITURN_CELL_CHARS,
+    make_multiturn_sft_traces,
+    make_multiturn_splits,
     multiturn_cells,
     sample_multiturn_problems,
-    sample_problems,
 )
 
 
@@ -168,7 +170,8 @@ def test_multiturn_sft_trace_mix():
 def test_multiturn_training_prompts_can_start_from_a_failing_cell():
     """The quickstart trains recovery on prompts that end with a failing first cell (as the recovery probe starts):
     the share asked for, each kind of failure in turn, the cell and its reply exactly as a trace shows them."""
-    from retool_trl.data.synthetic import FAILURES, Problem, make_multiturn_dataset, multiturn_failing_cell
+    from retool_trl.data.synthetic import Problem
+    from retool_trl.data.synthetic_multiturn import FAILURES, make_multiturn_dataset, multiturn_failing_cell
 
     plain = make_multiturn_dataset(8, seed=3)
     mixed = make_multiturn_dataset(8, seed=3, failing_start=0.5)

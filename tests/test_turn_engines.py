@@ -15,7 +15,7 @@ import torch
 
 from retool_trl import ReToolConfig
 from retool_trl.rewards.functions import boxed_accuracy
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 from retool_trl.rollout.engines.vllm_server import server_engine_from_config
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout

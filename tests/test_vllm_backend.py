@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from retool_trl import ReToolConfig
-from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend, first_stop
 from testing_utils import (
     FakeSandbox,

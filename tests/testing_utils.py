@@ -21,7 +21,7 @@ from retool_trl.models.tiny import (
     save_tiny_model,
     script_turns,
 )
-from retool_trl.rollout.batched import RolloutResult
+from retool_trl.rollout import RolloutResult
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 __all__ = [

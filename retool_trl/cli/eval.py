@@ -72,7 +72,7 @@ SAMPLING_FIELDS = (
     "generation_kwargs",
     "seed",
 )
-# How prompts become token ids: the same as in training (`inference.tokenize_prompts`).
+# How prompts become token ids: the same as in training (`retool_trl.data.prompt_ids.tokenize_prompts`).
 PROMPT_FIELDS = ("chat_template_kwargs",)
 INTERPRETER_FIELDS = (
     "call_format",

@@ -1,4 +1,5 @@
-"""Datasets for ReTool: adapters for public math sets and local files, and the synthetic arithmetic task."""
+"""Datasets for ReTool: adapters for public math sets and local files, the synthetic arithmetic tasks (one call in
+`synthetic`, several cells in `synthetic_multiturn`), and the prompt ids training builds (`prompt_ids`)."""
 
 from .adapters import (
     KNOWN_DATASETS,

@@ -338,7 +338,8 @@ def load_math_dataset(
 
     check_dataset_name(name, option)
     if name.strip().lower() in SYNTHETIC_NAMES:
-        from .synthetic import make_arithmetic_dataset, make_multiturn_dataset
+        from .synthetic import make_arithmetic_dataset
+        from .synthetic_multiturn import make_multiturn_dataset
 
         if name.strip().lower() in SYNTHETIC_NAMES[3:]:
             # The configuration is the share of prompts that start from a failing cell (the quickstart trains on 0.5).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..reporting.plotting import ARITHMETIC_PANELS
+from ..reporting.panels import ARITHMETIC_PANELS
 from .plan import RUNS, QuickstartArguments, TaskPlan
 
 QUICKSTART_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..reporting.plotting import Panel
+from ..reporting.panels import Panel
 from ..reporting.run_logs import accuracy_of
 from .arithmetic import arithmetic_table
 from .plan import RUNS, TaskPlan

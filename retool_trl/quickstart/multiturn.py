@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-from ..data.synthetic import FAILURES, MULTITURN_CELL_CHARS, Problem, multiturn_failing_cell
+from ..data.synthetic import Problem
+from ..data.synthetic_multiturn import FAILURES, MULTITURN_CELL_CHARS, multiturn_failing_cell
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
-from ..reporting.plotting import Panel
+from ..reporting.panels import Panel
 from ..reporting.run_logs import accuracy_of
 from ..rewards.functions import boxed_accuracy_and_recovery
 from ..sandbox.cell_limits import CellLimits
@@ -115,7 +116,7 @@ def multiturn_eval_metrics(report) -> dict:
 
 def recovery_probe_prompts(dataset, max_cell_chars: int = MULTITURN_CELL_CHARS, tags=None):
     """The held-out problems of `dataset`, each prompt followed by a failing first cell and the interpreter's reply
-    ([`~retool_trl.data.synthetic.multiturn_failing_cell`]; problem `i` gets `FAILURES[i % 4]`).
+    ([`~retool_trl.data.synthetic_multiturn.multiturn_failing_cell`]; problem `i` gets `FAILURES[i % 4]`).
 
     The cell fails before assigning anything, so a fresh session (what the rollout opens for the completion) is the
     state it leaves.
@@ -235,7 +236,7 @@ MULTITURN_PANELS = (
 
 def multiturn_plan(args) -> TaskPlan:
     """The multi-turn task's part of `run_quickstart`: its problems, checkpoint, cell budget, reward and metrics."""
-    from ..data.synthetic import make_multiturn_splits
+    from ..data.synthetic_multiturn import make_multiturn_splits
 
     task = MultiturnTask()
     splits = make_multiturn_splits(

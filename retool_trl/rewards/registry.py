@@ -99,7 +99,7 @@ def check_reward_kwargs(funcs: Sequence[Callable], columns: Sequence[str], datas
     Raises:
         UserError: naming the function, the parameter and the dataset's columns.
     """
-    from ..rollout.batched import ROLLOUT_FIELDS
+    from ..rollout.spec import ROLLOUT_FIELDS
 
     provided = set(columns) | set(TRL_REWARD_KWARGS) | set(ROLLOUT_FIELDS)
     for func in funcs:

@@ -8,8 +8,8 @@ a slow snippet holds anyone else back. Two engines (`engines/`): vLLM's server (
 the turns ready at once go in one streamed HTTP request) and the colocated engine of TRL's own `LLM`, driven request
 by request (`vllm_colocate.ColocateEngine`).
 
-The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, retries, reward kwargs) is the barrier
-loop's own (`_Row.take_turn`, `run_calls`, `result_blocks`, `rollout_result`), so both modes give the same
+The per-row bookkeeping (token ids in and out, the interpreter mask, log-probs, reward kwargs: `rows`) and the
+sandbox calls with their retries (`cells`) are the ones the barrier loop uses, so both modes give the same
 `RolloutResult` for the same tokens.
 """
 
@@ -23,18 +23,10 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from .batched import (
-    RolloutResult,
-    RolloutSpec,
-    _Row,
-    prepare_next_rollout,
-    release_session,
-    reserve_sessions,
-    result_blocks,
-    rollout_result,
-    run_calls,
-)
+from .cells import close_sessions, prepare_next_rollout, release_session, reserve_sessions, run_calls
 from .engines.vllm_server import CompletionsEngine, sampling_from_vllm
+from .rows import Row, result_blocks, rollout_result
+from .spec import RolloutResult, RolloutSpec
 from .turns import EngineError, EngineRequestError, EngineTimeoutError
 from .types import TurnOutput
 
@@ -64,7 +56,7 @@ def async_rollout(
         spec: Limits and tags.
         max_concurrency: Completions in flight at once.
     """
-    rows = [_Row(list(ids)) for ids in prompt_ids]
+    rows = [Row(list(ids)) for ids in prompt_ids]
     exec_seconds: list[float] = []
     have_logprobs, engine_calls = [True], [0]
     requests_before = getattr(engine, "requests", None)
@@ -77,9 +69,7 @@ def async_rollout(
                 )
             )
     finally:
-        for row in rows:
-            if row.session is not None:
-                row.session.close()
+        close_sessions(rows)
     prepare_next_rollout(sandbox, len(rows), spec)
     if requests_before is not None:  # engines that count their requests (several turns may share one)
         engine_calls[0] = engine.requests - requests_before
@@ -95,7 +85,7 @@ async def _run_all(
     cells = concurrent.futures.ThreadPoolExecutor(max_workers=min(max_concurrency, 64), thread_name_prefix="retool")
     loop = asyncio.get_running_loop()
 
-    async def complete(row: _Row) -> None:
+    async def complete(row: Row) -> None:
         async with limit:
             row.done = row.done or row.budget(spec) <= 0  # a prompt that fills the context: nothing to generate
             while not row.done:

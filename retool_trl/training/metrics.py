@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rollout.batched import RolloutResult
+from ..rollout.spec import RolloutResult
 
 
 def rollout_metrics(result: RolloutResult, gather, device: torch.device | str | None = None) -> dict[str, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..rollout.batched import RolloutResult
+from ..rollout.spec import RolloutResult
 
 
 def resample_on_correct(correct: Sequence[bool], problems: Sequence[int], keep: int, rng: random.Random) -> list[int]:

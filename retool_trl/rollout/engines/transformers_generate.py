@@ -65,7 +65,7 @@ class TransformersBackend:
         model: The (unwrapped) causal LM.
         tokenizer: Its tokenizer (for padding and the stop-string tables).
         generation_config: Sampling settings, e.g. TRL's `trainer.generation_config`.
-        code_end: The string a call ends at (`call_stop`); `None` where a turn's own end closes its calls.
+        code_end: The string a call ends at (its call format's `stop`); `None` where a turn's own end closes its calls.
         eos_token_ids: Token ids that end a completion.
         logits_processor (*optional*): Extra `LogitsProcessorList` for `generate` (constrained decoding, tests), or
             a callable returning a fresh one for each turn (for stateful processors).

@@ -6,12 +6,14 @@ turns that become ready at the same moment go to the server together, as one req
 and each sequence's turn is taken as soon as it finishes, from the streamed reply (vLLM streams every prompt's choice
 with its own `index`). At most one request is being opened at a time: the turns that become ready meanwhile go in the
 next one, so the batches grow with the per-request cost instead of waiting on a timer.
+
+This module decides which turns share a request and assembles each turn from its choices; the HTTP itself
+(connections, retries, what a failed request means, reading a streamed reply) is `completions_http`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,17 +21,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from ...format.registry import format_of
-from ..turns import (
-    EngineError,
-    EngineRequestError,
-    EngineTimeoutError,
-    finish_turn,
-    fitting_parts,
-    turn_stops,
-    user_stop_ids,
-    user_stops,
-)
+from ..turns import EngineError, EngineTimeoutError, finish_turn, fitting_parts, turn_stops, user_stop_ids, user_stops
 from ..types import TurnOutput
+from .completions_http import CompletionsClient, read_choices
 
 # Streamed chunks per sequence: the first token and the finished turn (vLLM sends both at once whatever the interval;
 # servers without `stream_interval` ignore the field and stream every token, which is read the same way).
@@ -65,13 +59,9 @@ class CompletionsEngine:
 
     Each request carries the sequences whose turns are ready (see the module docstring) as token ids, and the sampling
     settings TRL uses in server mode; a turn's token ids are kept whole (a stop inside a token keeps that token,
-    anything after it is cut), with their sampling log-probabilities. Connection failures are retried by httpx's
-    transport; what still fails raises `EngineError` for every turn of the request not yet finished. A request the
-    server refuses (HTTP 4xx) raises `EngineRequestError`.
-
-    A turn may legitimately take long (thousands of tokens on a loaded server), so by default there is no read
-    timeout: only connecting is bounded, and a server that goes away (connection refused, reset or closed) fails the
-    turns in flight at once. A turn not finished `timeout_s` after it was asked for raises `EngineTimeoutError`.
+    anything after it is cut), with their sampling log-probabilities. A request that fails (`CompletionsClient`: the
+    connections, their retries, and what each failure means) fails every turn of it not yet finished. A turn not
+    finished `timeout_s` after it was asked for raises `EngineTimeoutError`.
 
     Args:
         base_url: The server, e.g. `http://127.0.0.1:8000`.
@@ -113,28 +103,18 @@ class CompletionsEngine:
         self.stop_ids = user_stop_ids(self.sampling)
         self.max_model_len = max_model_len
         self.model = model
-        # No pool timeout: the rollout bounds the requests in flight itself, a request waits for a free connection.
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
         self.timeout_s = timeout_s
         self.coalesce = coalesce
-        self.max_connections = max_connections
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._http = CompletionsClient(base_url, timeout_s, connect_timeout_s, max_connections, transport)
         self.requests = 0  # HTTP requests for turns
         self._ready: list[_Turn] = []
         self._sender: asyncio.Task | None = None
         self._streams: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> CompletionsEngine:
-        # Idle connections are dropped before the server's own keep-alive timeout (uvicorn: 5 s) can close them under
-        # a request; connection failures are retried by the transport.
-        limits = httpx.Limits(
-            max_connections=self.max_connections, max_keepalive_connections=self.max_connections, keepalive_expiry=2.0
-        )
-        transport = self._transport or httpx.AsyncHTTPTransport(retries=3, limits=limits)
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
+        self._http.open()
         if self.model is None:
-            card = (await self._request("GET", "/v1/models"))["data"][0]
+            card = (await self._http.request("GET", "/v1/models"))["data"][0]
             self.model = card["id"]
             self.max_model_len = self.max_model_len or card.get("max_model_len")  # vLLM's model card has it
         return self
@@ -144,36 +124,7 @@ class CompletionsEngine:
             if task is not None and not task.done():
                 task.cancel()
         await asyncio.gather(*self._streams, return_exceptions=True)
-        await self._client.aclose()
-        self._client = None
-
-    async def _request(self, method: str, path: str, **kwargs) -> dict:
-        try:
-            try:
-                response = await self._client.request(method, path, **kwargs)
-            except (httpx.ReadError, httpx.RemoteProtocolError):
-                # A kept-alive connection closed by the server as the request went out: once more, on a new one.
-                response = await self._client.request(method, path, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise EngineTimeoutError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            self._raise_for_status(method, path, response.status_code, response.text[:500])
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise EngineError(f"{method} {path}: the reply is not JSON: {exc}") from exc
-
-    def _raise_for_status(self, method: str, path: str, status: int, text: str) -> None:
-        if status in (408, 429) or status >= 500:
-            raise EngineError(f"{method} {path}: HTTP {status}: {text}")
-        # The request itself is wrong (context past max_model_len, an unknown field, a wrong model name): a
-        # configuration error to fix, not a failure to drop quietly from the loss.
-        raise EngineRequestError(
-            f"the vLLM server at {self.base_url} refused {method} {path} (HTTP {status}): {_error_message(text)} "
-            "(check that the server serves the policy model with the settings of the run, e.g. its --max_model_len)"
-        )
+        await self._http.close()
 
     def request_fields(self, token_ids: list[int]) -> dict:
         """Extra request fields for one sequence (none here; a subclass can force or steer a sequence)."""
@@ -244,10 +195,14 @@ class CompletionsEngine:
             payload.update(stop=stops, include_stop_str_in_output=True)
         self.requests += 1
         try:
-            async with self._open("POST", "/v1/completions", payload) as response:
+            async with self._http.stream("POST", "/v1/completions", payload) as response:
                 if not opened.done():
                     opened.set_result(None)
-                await self._read(response, turns)
+                await read_choices(
+                    response,
+                    lambda choice, final: _take(turns, choice, final),
+                    lambda: all(turn.future.done() for turn in turns),
+                )
         except Exception as exc:  # noqa: BLE001 - handed to every turn still waiting (they raise it)
             for turn in turns:
                 if not turn.future.done():
@@ -258,55 +213,6 @@ class CompletionsEngine:
         for turn in turns:
             if not turn.future.done():
                 turn.future.set_exception(EngineError("the server's reply ended before this sequence's turn did"))
-
-    @contextlib.asynccontextmanager
-    async def _open(self, method: str, path: str, payload: dict):
-        """The streamed reply to one request (closed on the way out: before its end, the server aborts the rest)."""
-        send = self._client.send
-        try:
-            try:
-                response = await send(self._client.build_request(method, path, json=payload), stream=True)
-            except (httpx.ReadError, httpx.RemoteProtocolError):
-                # A kept-alive connection closed by the server as the request went out: once more, on a new one.
-                response = await send(self._client.build_request(method, path, json=payload), stream=True)
-        except httpx.TimeoutException as exc:
-            raise EngineTimeoutError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:500]
-                self._raise_for_status(method, path, response.status_code, text)
-            yield response
-        finally:
-            await response.aclose()
-
-    async def _read(self, response: httpx.Response, turns: list[_Turn]) -> None:
-        """Takes each choice's tokens and log-probs as they arrive, until every turn finished (or was given up)."""
-        try:
-            if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                # A server that answered with one JSON reply (it does not stream): its choices, by index.
-                for choice in _json(await response.aread()).get("choices") or []:
-                    _take(turns, choice, final=True)
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = _json(data)
-                if "error" in chunk:
-                    # The request was accepted and failed while generating: the server's fault, not the request's.
-                    raise EngineError(f"the server failed while generating: {json.dumps(chunk['error'])[:500]}")
-                for choice in chunk.get("choices") or []:
-                    _take(turns, choice)
-                if all(turn.future.done() for turn in turns):
-                    return  # nothing left to wait for: closing the stream aborts any turn given up on
-        except httpx.TimeoutException as exc:
-            raise EngineTimeoutError(f"reading the reply: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"reading the reply: {type(exc).__name__}: {exc}") from exc
 
     async def _generate_alone(self, token_ids: list[int], max_tokens: int, stop_at_code_end: bool) -> TurnOutput:
         """One plain (not streamed) request for one turn."""
@@ -324,7 +230,7 @@ class CompletionsEngine:
         if stops := turn_stops(self.code_end, self.stops, stop_at_code_end):
             payload.update(stop=stops, include_stop_str_in_output=True)
         self.requests += 1
-        choice = (await self._request("POST", "/v1/completions", json=payload))["choices"][0]
+        choice = (await self._http.request("POST", "/v1/completions", json=payload))["choices"][0]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if choice.get("finish_reason") == "abort":
             raise EngineError("the server aborted the request (finish_reason 'abort'): the turn did not finish")
@@ -338,25 +244,6 @@ class CompletionsEngine:
             max_tokens,
             self.stop_ids,
         )
-
-
-def _error_message(text: str) -> str:
-    """The message of an OpenAI-style error reply (`{"error": {"message": ...}}` or `{"message": ...}`), on one
-    line; the raw text when it is not one."""
-    try:
-        body = json.loads(text)
-        error = body.get("error", body) if isinstance(body, dict) else body
-        message = error.get("message", text) if isinstance(error, dict) else text
-    except ValueError:
-        message = text
-    return " ".join(str(message).split())[:500]
-
-
-def _json(data: str | bytes) -> dict:
-    try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise EngineError(f"the reply is not JSON: {exc}") from exc
 
 
 def _take(turns: list[_Turn], choice: dict, final: bool = False) -> None:
