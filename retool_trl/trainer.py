@@ -26,7 +26,6 @@ from trl.models import unwrap_model_for_generation
 from .config import ReToolConfig
 from .data.prompt_ids import tokenize_prompts
 from .errors import UserError
-from .data.prompt_ids import tokenize_prompts
 from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
 from .format.registry import format_of

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..format.tags import TagFormat
 from ..format.parsing import Tags
+from ..format.tags import TagFormat
 
 # Per-completion facts the trainer hands to reward functions as kwargs (TRL `extra_fields`).
 ROLLOUT_FIELDS = (
