@@ -14,11 +14,11 @@ from collections.abc import Iterable
 
 from ..base import ExecResult, SessionBase, check_pairs, refusal
 from ..isolation import (
-    ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
+    IsolationLevel,
     Launch,
-    can_drop_privileges,
     choose_level,
+    isolation_modes,
     isolation_summary,
     needed_under_temp,
     warn_once,
@@ -163,8 +163,8 @@ class LocalSandbox(CallResults):
         spares: int | None = None,
         total_memory_mb: int | None = None,
     ):
-        if isolation not in ISOLATION_MODES:
-            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        if isolation not in isolation_modes():
+            raise ValueError(f"isolation must be one of {isolation_modes()}, got {isolation!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         # Defaults are this rank's share of the node (`node.py`): 8 ranks together claim the node once, not 8 times.
@@ -185,7 +185,7 @@ class LocalSandbox(CallResults):
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
         self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else node_share_memory_mb()
-        self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
+        self._drop_privileges = os.geteuid() == 0  # until the level in force says (`IsolationLevel.drops_privileges`)
         self._cgroups: SandboxCgroups | None = None
         # Jails handed out by the zygote, not yet given a session.
         self._ready: list[tuple[_Zygote, SessionProcess]] = []
@@ -198,6 +198,7 @@ class LocalSandbox(CallResults):
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
         self._launch: Launch | None = None
+        self._level: IsolationLevel | None = None  # the level in force, once started
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -211,7 +212,7 @@ class LocalSandbox(CallResults):
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
             "network_isolated": zygote.network_isolated or self._launch.ip_sockets_refused,  # Landlock: no IP socket
-            "private_filesystem": self.isolation_used == "bwrap",
+            "private_filesystem": self._level.private_filesystem,
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
             "pids_cgroup": "pids" in kinds,
@@ -220,9 +221,7 @@ class LocalSandbox(CallResults):
             "seccomp": self._launch.seccomp()[0] is not None,
             "landlock": self._launch.landlock is not None,
             "landlock_abi": int((self._launch.landlock or {}).get("abi", 0)),
-            # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
-            # private read-only view of the host (bubblewrap).
-            "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
+            "filesystem_confined": self._level.filesystem_confined,
         }
         missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:
@@ -273,7 +272,7 @@ class LocalSandbox(CallResults):
                 "scratch_mb": self.scratch_mb,
                 "max_files": self.max_files,
                 "network": self.network,
-                "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
+                "jail": self._level.jails(),
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
                 "watch_by_fsuid": self._drop_privileges and fsuid_needed(),  # root without CAP_SYS_PTRACE
@@ -296,55 +295,29 @@ class LocalSandbox(CallResults):
             return self._zygote
 
     def _isolation_command(self) -> tuple[list[str], str]:
-        """Picks the isolation level (`isolation.choose_level`) and says what it means here: the zygote's command
-        and where sessions' scratch directories live. Refuses where no level that isolates runs."""
+        """Picks the isolation level (`isolation.choose_level`) and asks it what it means here: the zygote's command
+        and where sessions' scratch directories live. Refuses where the level asked for does not run, and where the
+        level in force refuses root without the user's opt-in."""
         writable = tuple(path for _, path in self._cgroups.roots)
-        launch, problems = choose_level(self.isolation, _WORKER, self.network, writable)
-        why = "; ".join(problems)
-        if launch is None and self.isolation != "auto":
+        choice = choose_level(self.isolation, self.network)
+        level, why = choice.level, choice.why
+        if level is None:
             raise SandboxStartError(f"isolation={self.isolation!r} does not work here: {why}")
-        if launch is None:
-            if os.geteuid() == 0 and not self.allow_root_without_isolation:
-                raise UnsafeSandboxError(
-                    f"LocalSandbox refuses to run untrusted code as root without isolation ({why}). Fix: run on a "
-                    "kernel with Landlock (Linux 5.13+, 'landlock' in lsm=) or where bubblewrap may make namespaces "
-                    "(docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN), or opt in with "
-                    "LocalSandbox(allow_root_without_isolation=True)."
-                )
-            launch, _ = choose_level("none", _WORKER, self.network, writable)
-            launch = Launch(
-                **{
-                    **launch.__dict__,
-                    "missing": [m.replace("isolation='none' was asked for", why) for m in launch.missing],
-                }
-            )
-        elif launch.level == "none" and os.geteuid() == 0 and not self.allow_root_without_isolation:
-            raise UnsafeSandboxError(
-                "LocalSandbox refuses to run untrusted code as root with isolation='none': cells would see the host "
-                "file system with root's reach. Use isolation='auto', or opt in with "
-                "LocalSandbox(allow_root_without_isolation=True) (ReToolConfig.sandbox_allow_root_without_isolation)."
-            )
-        self._launch = launch
-        self.isolation_used = launch.level
-        if launch.level == "bwrap":
-            self._drop_privileges = os.geteuid() == 0
+        refusal = None if self.allow_root_without_isolation else level.root_refusal(why, choice.fell_back)
+        if refusal is not None:
+            raise UnsafeSandboxError(refusal)
+        launch = level.launch(_WORKER, self.network, writable, why)
+        self._level, self._launch = level, launch
+        self.isolation_used = level.name
+        self._drop_privileges = level.drops_privileges(launch, _WORKER)
+        warning = level.warning(why, self._drop_privileges)
+        if warning is not None:
+            warn_once(warning)
+        if launch.scratch_root is not None:  # a scratch root inside the level's own private file system
             return launch.command, launch.scratch_root
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
-        self._drop_privileges = can_drop_privileges(_WORKER) or bool((launch.landlock or {}).get("read_override"))
-        if launch.level == "none":
-            warn_once(
-                f"LocalSandbox: bubblewrap is unavailable ({why or 'isolation=none asked for'}), so cells can read "
-                "the host file system"
-                + (
-                    ""
-                    if os.geteuid() == 0
-                    else ", see other sessions' files and processes, and are bounded by rlimits only"
-                )
-                + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
-                + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
-            )
         return launch.command, os.path.join(self._host_scratch, "s")
 
     @staticmethod
