@@ -1,6 +1,8 @@
-"""The isolation levels as objects: the docs' levels table states each level's facts as its object does, and a level
-defined here (one class, registered here) is picked and reported by the pool with no other module changed."""
+"""The isolation levels as objects: the docs' levels table states each level's facts as its object does, a level
+defined here (one class, registered here) is picked and reported by the pool with no other module changed, and no
+sandbox module outside `isolation/` decides anything by a level's name."""
 
+import ast
 import os
 from pathlib import Path
 
@@ -138,3 +140,39 @@ def test_a_level_that_refuses_root_stops_the_pool_before_any_jail(toy, monkeypat
     allowed = LocalSandbox(num_workers=1, preload=(), isolation="toy", allow_root_without_isolation=True)
     with allowed:
         assert allowed.isolation_report()["isolation"] == "toy"
+
+
+SANDBOX = Path(__file__).resolve().parents[3] / "retool_trl" / "sandbox"
+
+
+def level_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare something with a level's name (`== "bwrap"`, `in ("bwrap", "landlock")`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+            if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_no_sandbox_module_outside_isolation_compares_a_level_name():
+    """What a level means is asked of its object: the pool once read `private_filesystem`, the jail flag and the
+    root refusal off the level's name, so a new level had to be taught to `host/local.py` as well."""
+    names = {level.name for level in LEVELS}
+    found = {
+        str(path.relative_to(SANDBOX)): lines
+        for path in SANDBOX.rglob("*.py")
+        if "isolation" not in path.relative_to(SANDBOX).parts
+        and (lines := level_name_comparisons(path.read_text(), names))
+    }
+    assert found == {}
+
+
+def test_the_name_check_sees_the_comparisons_the_pool_once_made():
+    names = {level.name for level in LEVELS}
+    once = 'a = level == "bwrap"\nb = launch.level in ("bwrap", "landlock")\nc = mode != "auto"\n'
+    assert level_name_comparisons(once, names) == [1, 2]
