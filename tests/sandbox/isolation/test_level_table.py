@@ -40,7 +40,7 @@ def stated_facts(level: IsolationLevel, levels: list[IsolationLevel]) -> dict[st
         "`auto` takes it": by_auto,
         "private file system": "yes" if level.private_filesystem else "no",
         "reads and writes confined": "yes" if level.filesystem_confined else "no",
-        "namespaces per session": "always" if level.always_jails else "as root",
+        "tries namespaces per session": "always" if level.always_jails else "as root",
         "as root": "refused without the opt-in" if level.root_needs_opt_in else "runs",
     }
 
