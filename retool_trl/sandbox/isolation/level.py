@@ -21,8 +21,8 @@ class IsolationLevel:
     take it, in the registry's order); `fallback` (what `"auto"` runs when no level it may take runs here, refused as
     root unless the user opts in); `private_filesystem` (cells see a private read-only view of the host);
     `filesystem_confined` (cells read only what the interpreter needs and write only their scratch, or see the
-    private view); `always_jails` (each session gets namespaces of its own whoever the trainer is; otherwise only
-    where the trainer is root); `root_needs_opt_in` (as root, refused without `allow_root_without_isolation`)."""
+    private view); `always_jails` (the zygote tries namespaces of its own for each session whoever the trainer is;
+    otherwise only as root); `root_needs_opt_in` (as root, refused without `allow_root_without_isolation`)."""
 
     name = ""
     title = ""
@@ -43,7 +43,8 @@ class IsolationLevel:
         raise NotImplementedError
 
     def jails(self) -> bool:
-        """Whether sessions get namespaces of their own (the zygote may make them as root on any level)."""
+        """Whether the zygote tries namespaces of its own for each session (root may make them on any level; the
+        zygote goes on without them, with a warning, where the kernel refuses them)."""
         return self.always_jails or os.geteuid() == 0
 
     def drops_privileges(self, launch: Launch, worker: str) -> bool:
