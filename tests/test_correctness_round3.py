@@ -383,12 +383,13 @@ def test_a_fleet_with_one_server_down_starts_on_the_others(fusion, monkeypatch):
     from test_no_silent_failure import closed_port
 
     from retool_trl.sandbox.remote import client as remote_client
+    from retool_trl.sandbox.remote import transport
     from retool_trl.sandbox.remote.client import RemoteSandbox
     from retool_trl.training.sandbox_health import SandboxHealth
 
     down = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setattr(remote_client.zlib, "crc32", lambda data: 0)  # the first session goes to the first server
-    monkeypatch.setattr(remote_client, "_sleep", lambda s: None, raising=False)
+    monkeypatch.setattr(transport, "_sleep", lambda s: None)
     with RemoteSandbox([down, fusion.url], timeout_s=5.0, retries=1, backoff_s=0.01, sessions="replay") as sandbox:
         health = SandboxHealth("training")
         with health.step(health.watch(sandbox)):

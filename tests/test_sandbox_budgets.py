@@ -340,7 +340,7 @@ def test_ranks_on_one_node_share_the_task_budget(report):
         import json
         from pathlib import Path
         from retool_trl.sandbox import LocalSandbox
-        from retool_trl.sandbox.host.cgroups import task_budget
+        from retool_trl.sandbox.host.machine_limits import task_budget
         left = task_budget()
         with LocalSandbox(num_workers=1, spares=1) as sandbox:
             sandbox.isolation_report()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from retool_trl.sandbox.host.cgroups import v2_freeze, v2_kill
+from retool_trl.sandbox.host.cgroup_control import v2_freeze, v2_kill
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from retool_trl.sandbox.host.cgroups import default_memory_mb
+from retool_trl.sandbox.host.machine_limits import default_memory_mb
 from retool_trl.sandbox.host.node import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]

@@ -158,7 +158,7 @@ def test_a_parked_session_does_not_compute_between_calls(sandbox):
 
 
 def _freezer_state(proc) -> str | None:
-    from retool_trl.sandbox.host.cgroups import freezer_control
+    from retool_trl.sandbox.host.cgroup_control import freezer_control
 
     control = freezer_control(proc.cgroups)
     if control is None:
@@ -196,7 +196,7 @@ def test_a_session_killed_as_its_freeze_lands_still_dies(sandbox):
     thawed."""
     import signal
 
-    from retool_trl.sandbox.host.cgroups import set_frozen
+    from retool_trl.sandbox.host.cgroup_control import set_frozen
 
     s = sandbox.session()
     assert s.run("pass").ok

@@ -8,7 +8,7 @@ import pytest
 from fake_sandboxfusion import serve_fake
 
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
-from retool_trl.sandbox.remote import client as remote_module
+from retool_trl.sandbox.remote import transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ def test_output_is_valid_text_whatever_is_printed(sandbox):
 def delays(monkeypatch):
     """The waits between attempts, recorded instead of slept."""
     recorded = []
-    monkeypatch.setattr(remote_module, "_sleep", recorded.append)
+    monkeypatch.setattr(transport, "_sleep", recorded.append)
     return recorded
 
 
@@ -263,7 +263,7 @@ def test_backoff_is_capped(server, delays):
     with RemoteSandbox(server.url, retries=2, backoff_s=100.0) as sb:
         assert sb.session().run("print(1)").infra_error
     server.failures.clear()
-    assert delays == [remote_module._MAX_WAIT_S] * 2
+    assert delays == [transport._MAX_WAIT_S] * 2
 
 
 @pytest.mark.parametrize("status", ["429", "503"])
@@ -273,7 +273,7 @@ def test_retry_after_is_honoured_and_capped(server, delays, status):
     with RemoteSandbox(server.url, retries=4, backoff_s=0.01) as sb:
         r = sb.session().run("print('served')")
     assert r.ok and r.output == "served\n"
-    assert delays[0] == 7.0 and 18.0 <= delays[1] <= 20.0 and delays[2] == remote_module._MAX_WAIT_S
+    assert delays[0] == 7.0 and 18.0 <= delays[1] <= 20.0 and delays[2] == transport._MAX_WAIT_S
     assert delays[3] < 0.1  # an unreadable value falls back to the backoff
 
 

@@ -1,5 +1,5 @@
 """The cells in flight in one local sandbox, over every thread's batches, and the line of batches waiting for a CPU
-slot: what `batch.py`'s CPU-aware admission counts and takes turns by.
+slot: what `dispatch.py`'s CPU-aware admission counts and takes turns by.
 """
 
 from __future__ import annotations

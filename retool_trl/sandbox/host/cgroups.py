@@ -6,118 +6,26 @@ and `cpuacct` hierarchies, or the v2 unified one where its controllers are deleg
 directory per session below that and moves the session's process in. The freezer (v2: `cgroup.freeze`) lets the
 host stop a jail's every process at once; `cpuacct` (v2: `cpu.stat`) counts the CPU of all of them. Where nothing is
 writable, the per-process rlimits are all that bound a session. Directories of sandboxes whose trainer died (a
-SIGKILL leaves them behind) are removed when the next sandbox starts.
+SIGKILL leaves them behind) are removed when the next sandbox starts. What the machine leaves this process is read in
+`machine_limits.py`; freezing and killing a cgroup's processes is `cgroup_control.py`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
-from ..jail.freezer import freezer_control, set_frozen
+from .cgroup_control import v1_end_jails, v2_kill
+from .machine_limits import _ROOT, _own_path, sandbox_task_limit, task_budget
 
-__all__ = [
-    "SandboxCgroups",
-    "default_memory_mb",
-    "freezer_control",
-    "make_v2_sandbox",
-    "set_frozen",
-    "task_budget",
-    "v2_freeze",
-    "v2_kill",
-]
+__all__ = ["SandboxCgroups", "make_v2_sandbox"]
 
-_ROOT = Path("/sys/fs/cgroup")
 # v1 hierarchies we use, by the kind name the zygote knows them under.
 _V1 = (("memory", "memory1"), ("pids", "pids"), ("freezer", "freezer"), ("cpu", "cpu"), ("cpuacct", "cpuacct"))
 _V2_CONTROLLERS = ("memory", "pids", "cpu")
 _TAG = re.compile(r"retool-sandbox-(\d+)-[0-9a-f]+")
-_UNLIMITED = 1 << 60
-
-
-def default_memory_mb(share: float = 0.5) -> int:
-    """A share of the memory this process may use: the machine's, or less where a cgroup (a container) bounds it."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError):
-        total = _UNLIMITED
-    own = _own_path("memory")
-    if own is not None:  # v1: the tightest limit on the way up from our own cgroup
-        path = _ROOT / "memory" / own.lstrip("/")
-        while _ROOT / "memory" in [path, *path.parents]:
-            try:
-                total = min(total, int((path / "memory.limit_in_bytes").read_text()))
-            except (OSError, ValueError):
-                pass
-            if path == _ROOT / "memory":
-                break
-            path = path.parent
-    else:
-        own = _own_path("")
-        if own is not None:
-            path = _ROOT / own.lstrip("/")
-            while _ROOT in [path, *path.parents]:
-                try:
-                    text = (path / "memory.max").read_text().strip()
-                    total = min(total, int(text)) if text != "max" else total
-                except (OSError, ValueError):
-                    pass
-                if path == _ROOT:
-                    break
-                path = path.parent
-    return max(256, int(total * share) >> 20)
-
-
-def task_budget() -> int:
-    """How many more tasks (processes and threads) this process may start: the tightest of its pids cgroups on the
-    way up (v1, or v2's unified hierarchy: a container's task limit) and the kernel's `threads-max` and `pid_max`."""
-    try:
-        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
-        kernel = min(int(Path(f"/proc/sys/kernel/{name}").read_text()) for name in ("threads-max", "pid_max"))
-        budget = kernel - running
-    except (OSError, ValueError, IndexError):
-        budget = _UNLIMITED
-    own, top = _own_path("pids"), _ROOT / "pids"
-    if own is None:
-        own, top = _own_path(""), _ROOT if (_ROOT / "cgroup.controllers").exists() else _ROOT / "unified"
-    if own is not None:
-        path = top / own.lstrip("/")
-        while top in [path, *path.parents]:
-            try:
-                limit = (path / "pids.max").read_text().strip()
-                if limit != "max":
-                    budget = min(budget, int(limit) - int((path / "pids.current").read_text()))
-            except (OSError, ValueError):
-                pass
-            if path == top:
-                break
-            path = path.parent
-    return max(0, budget)
-
-
-def sandbox_task_limit(budget: int, ranks: int = 1) -> int:
-    """The sandbox's share of the tasks left (`task_budget()`): a quarter, at least 64, stays with the trainer (its
-    threads, data loaders, the zygote's forks of new jails), so sessions that each keep within their own process
-    cap cannot together exhaust a container's task limit; the rest is divided among the `ranks` trainers of the
-    node (`LOCAL_WORLD_SIZE`), each of which builds a sandbox of its own."""
-    return max(1, (budget - max(64, budget // 4)) // max(1, ranks))
-
-
-def _own_path(controller: str) -> str | None:
-    """This process's cgroup path in the v1 hierarchy of `controller` ("" for v2), from /proc/self/cgroup."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(","):
-            return path
-    return None
 
 
 class SandboxCgroups:
@@ -224,7 +132,7 @@ class SandboxCgroups:
             if kind == "v2":  # a v2 cgroup with a process in it cannot be removed: nothing of the sandbox may stay
                 v2_kill(root, timeout_s)
             elif kind == "freezer":
-                _v1_end_jails(Path(root))
+                v1_end_jails(Path(root))
         for root in dict.fromkeys(path for _, path in self.roots):
             while True:
                 try:
@@ -321,78 +229,6 @@ def _descendants(pid: int) -> set[int]:
         except (OSError, ValueError):
             continue
     return found
-
-
-def v2_freeze(path: str | os.PathLike, frozen: bool, timeout_s: float = 1.0) -> bool:
-    """Freezes (or thaws) every process of a v2 cgroup at once through `cgroup.freeze`; True once `cgroup.events`
-    says the kernel is done (a freeze takes effect task by task)."""
-    try:
-        Path(path, "cgroup.freeze").write_text("1" if frozen else "0")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done = f"frozen {int(frozen)}" in Path(path, "cgroup.events").read_text()
-            if done or time.monotonic() > deadline:
-                return done
-            time.sleep(0.001)
-    except OSError:
-        return False
-
-
-def v2_kill(path: str | os.PathLike, timeout_s: float = 2.0) -> bool:
-    """Kills every process of a v2 cgroup and of the cgroups below it: `cgroup.kill` (Linux 5.14), which no fork
-    escapes, else frozen, each listed process SIGKILLed, thawed. True once the cgroup holds no process."""
-    kill_file = Path(path, "cgroup.kill")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if kill_file.exists():
-                kill_file.write_text("1")
-            else:
-                v2_freeze(path, True)
-                for pid in _v2_members(path):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                v2_freeze(path, False)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return True
-        if not _v2_members(path):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-
-
-def _v2_members(path: str | os.PathLike) -> set[int]:
-    found = set()
-    for directory, _, _ in os.walk(path):
-        try:
-            found.update(int(p) for p in Path(directory, "cgroup.procs").read_text().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _v1_end_jails(root: Path) -> None:
-    """Kills and thaws whatever is left in the sandbox's jails (v1 freezer). The zygote ends its jails as it shuts
-    down, but a zygote that died first (killed by the machine's OOM killer, say) leaves its parked sessions frozen:
-    a frozen process dies only once thawed, and would hold its memory after the trainer is gone."""
-    for jail in root.glob("*/"):
-        try:
-            pids = [int(p) for p in (jail / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for pid in (p for p in pids if p > 0):  # 0: a process outside our pid namespace
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            (jail / "freezer.state").write_text("THAWED")
-        except OSError:
-            pass
 
 
 def _remove_stale(parent: Path) -> None:

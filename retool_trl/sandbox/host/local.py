@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import base64
 import itertools
-import logging
 import os
-import socket
 import tempfile
 import threading
 import weakref
@@ -14,32 +12,26 @@ from collections.abc import Iterable
 
 from ..base import ExecResult, SessionBase, check_pairs, refusal
 from ..isolation import (
-    ISOLATION_MODES,
     SANDBOX_SCRATCH_ROOT,
+    IsolationLevel,
     Launch,
-    can_drop_privileges,
     choose_level,
+    isolation_modes,
     isolation_summary,
     needed_under_temp,
     warn_once,
 )
 from ..isolation.fsuid import needed as fsuid_needed
-from .batch import Batch, InFlight
+from .admission import InFlight
+from .batch import Batch
 from .cgroups import SandboxCgroups
 from .channel import SessionProcess
+from .jail_supply import JailSupply
 from .node import local_ranks, node_share_cpus, node_share_memory_mb, raise_open_file_limit
 from .results import CallResults
 from .zygote import _WORKER, SandboxStartError, UnsafeSandboxError, _Zygote
 
 __all__ = ["LocalSandbox", "LocalSession"]
-
-
-def _hint(exc: Exception) -> str:
-    """The fix, where a session could not start because the trainer ran out of descriptors."""
-    return " (raise the trainer's open-file limit: ulimit -n)" if getattr(exc, "errno", None) in (24, 23) else ""
-
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD = ("math", "fractions", "itertools", "functools", "collections", "random", "numpy", "sympy")
 
@@ -78,7 +70,7 @@ class LocalSession(SessionBase):
         return f"LocalSession({self._name}, {state}, calls={self.calls})"
 
 
-class LocalSandbox(CallResults):
+class LocalSandbox(JailSupply, CallResults):
     """A pool of isolated, resource-limited, stateful Python interpreters on this machine.
 
     One pre-started *zygote* process (inside bubblewrap when it works) imports the usual modules once, then forks one
@@ -163,8 +155,8 @@ class LocalSandbox(CallResults):
         spares: int | None = None,
         total_memory_mb: int | None = None,
     ):
-        if isolation not in ISOLATION_MODES:
-            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        if isolation not in isolation_modes():
+            raise ValueError(f"isolation must be one of {isolation_modes()}, got {isolation!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         # Defaults are this rank's share of the node (`node.py`): 8 ranks together claim the node once, not 8 times.
@@ -185,7 +177,7 @@ class LocalSandbox(CallResults):
         self.allow_root_without_isolation = bool(allow_root_without_isolation)
         self.spares = int(spares) if spares is not None else max(4, self.num_workers)
         self.total_memory_mb = int(total_memory_mb) if total_memory_mb is not None else node_share_memory_mb()
-        self._drop_privileges = os.geteuid() == 0  # inside bubblewrap; re-checked for isolation="none"
+        self._drop_privileges = os.geteuid() == 0  # until the level in force says (`IsolationLevel.drops_privileges`)
         self._cgroups: SandboxCgroups | None = None
         # Jails handed out by the zygote, not yet given a session.
         self._ready: list[tuple[_Zygote, SessionProcess]] = []
@@ -198,6 +190,7 @@ class LocalSandbox(CallResults):
         self._finalizer = weakref.finalize(self, LocalSandbox._shutdown, [None], None, os.getpid())
         self.isolation_used: str | None = None  # what `isolation="auto"` resolved to, once started
         self._launch: Launch | None = None
+        self._level: IsolationLevel | None = None  # the level in force, once started
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -211,7 +204,7 @@ class LocalSandbox(CallResults):
             "isolation": self.isolation_used,
             "own_uid_per_session": zygote.own_uid_per_session,
             "network_isolated": zygote.network_isolated or self._launch.ip_sockets_refused,  # Landlock: no IP socket
-            "private_filesystem": self.isolation_used == "bwrap",
+            "private_filesystem": self._level.private_filesystem,
             "jail_per_session": zygote.jail,
             "memory_cgroup": bool(kinds & {"memory1", "memory"}),
             "pids_cgroup": "pids" in kinds,
@@ -220,9 +213,7 @@ class LocalSandbox(CallResults):
             "seccomp": self._launch.seccomp()[0] is not None,
             "landlock": self._launch.landlock is not None,
             "landlock_abi": int((self._launch.landlock or {}).get("abi", 0)),
-            # Reads limited to what the interpreter needs and writes to the session's scratch (Landlock), or a
-            # private read-only view of the host (bubblewrap).
-            "filesystem_confined": self._launch.level in ("bwrap", "landlock"),
+            "filesystem_confined": self._level.filesystem_confined,
         }
         missing = list(self._cgroups.missing) + list(self._launch.missing)
         if not zygote.jail:
@@ -273,7 +264,7 @@ class LocalSandbox(CallResults):
                 "scratch_mb": self.scratch_mb,
                 "max_files": self.max_files,
                 "network": self.network,
-                "jail": os.geteuid() == 0 or self.isolation_used == "bwrap",
+                "jail": self._level.jails(),
                 "needed_under_temp": needed_under_temp(_WORKER),
                 "drop_uid": self._drop_privileges,
                 "watch_by_fsuid": self._drop_privileges and fsuid_needed(),  # root without CAP_SYS_PTRACE
@@ -296,55 +287,29 @@ class LocalSandbox(CallResults):
             return self._zygote
 
     def _isolation_command(self) -> tuple[list[str], str]:
-        """Picks the isolation level (`isolation.choose_level`) and says what it means here: the zygote's command
-        and where sessions' scratch directories live. Refuses where no level that isolates runs."""
+        """Picks the isolation level (`isolation.choose_level`) and asks it what it means here: the zygote's command
+        and where sessions' scratch directories live. Refuses where the level asked for does not run, and where the
+        level in force refuses root without the user's opt-in."""
         writable = tuple(path for _, path in self._cgroups.roots)
-        launch, problems = choose_level(self.isolation, _WORKER, self.network, writable)
-        why = "; ".join(problems)
-        if launch is None and self.isolation != "auto":
+        choice = choose_level(self.isolation, self.network)
+        level, why = choice.level, choice.why
+        if level is None:
             raise SandboxStartError(f"isolation={self.isolation!r} does not work here: {why}")
-        if launch is None:
-            if os.geteuid() == 0 and not self.allow_root_without_isolation:
-                raise UnsafeSandboxError(
-                    f"LocalSandbox refuses to run untrusted code as root without isolation ({why}). Fix: run on a "
-                    "kernel with Landlock (Linux 5.13+, 'landlock' in lsm=) or where bubblewrap may make namespaces "
-                    "(docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN), or opt in with "
-                    "LocalSandbox(allow_root_without_isolation=True)."
-                )
-            launch, _ = choose_level("none", _WORKER, self.network, writable)
-            launch = Launch(
-                **{
-                    **launch.__dict__,
-                    "missing": [m.replace("isolation='none' was asked for", why) for m in launch.missing],
-                }
-            )
-        elif launch.level == "none" and os.geteuid() == 0 and not self.allow_root_without_isolation:
-            raise UnsafeSandboxError(
-                "LocalSandbox refuses to run untrusted code as root with isolation='none': cells would see the host "
-                "file system with root's reach. Use isolation='auto', or opt in with "
-                "LocalSandbox(allow_root_without_isolation=True) (ReToolConfig.sandbox_allow_root_without_isolation)."
-            )
-        self._launch = launch
-        self.isolation_used = launch.level
-        if launch.level == "bwrap":
-            self._drop_privileges = os.geteuid() == 0
+        refusal = None if self.allow_root_without_isolation else level.root_refusal(why, choice.fell_back)
+        if refusal is not None:
+            raise UnsafeSandboxError(refusal)
+        launch = level.launch(_WORKER, self.network, writable, why)
+        self._level, self._launch = level, launch
+        self.isolation_used = level.name
+        self._drop_privileges = level.drops_privileges(launch, _WORKER)
+        warning = level.warning(why, self._drop_privileges)
+        if warning is not None:
+            warn_once(warning)
+        if launch.scratch_root is not None:  # a scratch root inside the level's own private file system
             return launch.command, launch.scratch_root
         if self._host_scratch is None:
             self._host_scratch = tempfile.mkdtemp(prefix="retool-sandbox-")
             os.chmod(self._host_scratch, 0o711)
-        self._drop_privileges = can_drop_privileges(_WORKER) or bool((launch.landlock or {}).get("read_override"))
-        if launch.level == "none":
-            warn_once(
-                f"LocalSandbox: bubblewrap is unavailable ({why or 'isolation=none asked for'}), so cells can read "
-                "the host file system"
-                + (
-                    ""
-                    if os.geteuid() == 0
-                    else ", see other sessions' files and processes, and are bounded by rlimits only"
-                )
-                + ("" if self._drop_privileges else "; sessions share one uid (they can signal each other)")
-                + ". LocalSandbox.isolation_report()['missing'] lists what does not hold."
-            )
         return launch.command, os.path.join(self._host_scratch, "s")
 
     @staticmethod
@@ -379,107 +344,11 @@ class LocalSandbox(CallResults):
 
     # ------------------------------------------------------------------------------------------------- sessions
 
-    def reserve(self, n: int) -> None:
-        """Asks for `n` sessions ahead of demand, and returns at once: the zygote (started now if need be) forks up
-        to `n` jails in the background, at low priority, while the caller does something else (the model generates
-        its first turn), so that those sessions' first calls find a jail ready. Bounded by the sandbox's memory
-        (about 16 MB of `total_memory_mb` per reserved jail); jails nobody takes are released after a minute.
-
-        Args:
-            n (`int`): Sessions about to be opened (the rollout's batch size).
-        """
-        if self._closed or n <= 0:
-            return
-        count = min(int(n), max(self.spares, self.total_memory_mb // 16))
-
-        def ask():
-            try:
-                self._start().reserve(count)
-            except Exception:  # noqa: BLE001 - only a hint: the sessions' first calls fork what they need
-                logger.debug("sandbox reserve failed", exc_info=True)
-
-        threading.Thread(target=ask, name="retool-sandbox-reserve", daemon=True).start()
-
     def session(self) -> LocalSession:
         """A new, empty session (no process until its first `run`)."""
         if self._closed:
             raise RuntimeError("LocalSandbox is closed")
         return LocalSession(self)
-
-    def open_jails(self, sessions: list[LocalSession]) -> list[str | None]:
-        """Forks processes for sessions that have none yet; returns an error text per session (None = fine)."""
-        try:
-            zygote = self._start()
-        except UnsafeSandboxError:
-            raise  # a configuration to fix, not a failure to retry
-        except Exception as exc:  # noqa: BLE001 - reported per cell as an infrastructure error
-            return [f"{type(exc).__name__}: {exc}"] * len(sessions)
-        with self._ready_lock:
-            # Jails handed out ahead of time (see below) save a round trip to the zygote on a session's first call.
-            stale = [proc for owner, proc in self._ready if owner is not zygote]
-            self._ready = [(owner, proc) for owner, proc in self._ready if owner is zygote]
-            taken = [self._ready.pop(0)[1] for _ in range(min(len(sessions), len(self._ready)))]
-            # A round trip is needed anyway: bring the ready jails back to `num_workers` (at least 8 when that many
-            # spares are kept) in the same one, so that most first calls need none (1.2 -> 1.0 ms first-call p50).
-            keep = max(self.num_workers, min(self.spares, 8))
-            extra = max(0, keep - len(self._ready)) if len(taken) < len(sessions) else 0
-        for proc in stale:
-            proc.close()
-        needed = len(sessions) - len(taken)
-        fresh = self._handed_out(zygote, needed, extra) if needed else []
-        procs = taken + fresh[: len(sessions) - len(taken)]
-        with self._ready_lock:
-            spare = fresh[len(procs) - len(taken) :]
-            self._ready += [(zygote, proc) for proc in spare if isinstance(proc, SessionProcess)]
-        errors = []
-        for session, proc in zip(sessions, procs):
-            if not isinstance(proc, SessionProcess):
-                errors.append(proc)
-                continue
-            session._proc = proc
-            session._finalizer = weakref.finalize(session, proc.close)
-            errors.append(None)
-        return errors
-
-    def _handed_out(self, zygote: _Zygote, count: int, extra: int = 0) -> list[SessionProcess | str]:
-        """Asks the zygote for `count` jails in one round trip, and for up to `extra` more that it has ready (never
-        forked for them: a fork on this path delays the caller): a `SessionProcess` per jail, or the error text."""
-        needed = count
-        pairs, short = [], None
-        try:
-            for _ in range(count + extra):
-                pairs.append(socket.socketpair())
-        except OSError as exc:  # out of descriptors: the calls left without a jail fail alone, nothing leaks
-            short = f"SandboxError: could not start a session process: {exc}{_hint(exc)}"
-            extra = max(0, len(pairs) - count)
-            count = min(count, len(pairs))
-        for ours, _ in pairs:  # before the spawn: the hello carrying the session's pid may come at once
-            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        requests = [{"op": "spawn"}] * count + [{"op": "spawn", "ready_only": True}] * extra
-        try:
-            replies = zygote.spawn_many([(request, theirs.fileno()) for request, (_, theirs) in zip(requests, pairs)])
-        except (OSError, ConnectionError, ValueError) as exc:
-            replies = [{"error": f"sandbox zygote failed: {exc}"}] * len(pairs)
-        procs: list[SessionProcess | str] = []
-        for (ours, theirs), reply in zip(pairs, replies):
-            theirs.close()
-            try:
-                if "pid" not in reply:
-                    raise ConnectionError(reply.get("error"))
-                procs.append(SessionProcess.from_hello(ours))
-            except (OSError, ConnectionError, ValueError) as exc:
-                ours.close()
-                procs.append(f"SandboxError: could not start a session process: {exc}{_hint(exc)}")
-        return procs[:count] + [short] * (needed - count) + procs[count:] if short else procs
-
-    def _kill(self, session: LocalSession) -> None:
-        """Kills a session's jail: its process is pid 1 of the jail's pid namespace, so everything in it goes too;
-        the zygote reaps it and frees its cgroups."""
-        proc = session._proc
-        if proc is None:
-            return
-        proc.hard_kill()
-        proc.close()
 
     # ------------------------------------------------------------------------------------------------- running
 

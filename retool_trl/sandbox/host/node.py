@@ -16,7 +16,7 @@ import os
 import resource
 from pathlib import Path
 
-from .cgroups import _ROOT, _own_path, default_memory_mb
+from .machine_limits import _ROOT, _own_path, default_memory_mb
 
 __all__ = ["local_ranks", "node_share_cpus", "node_share_memory_mb", "raise_open_file_limit", "usable_cpus"]
 

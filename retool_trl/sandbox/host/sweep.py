@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from .cgroups import freezer_control
+from .cgroup_control import freezer_control
 
 _KILL_PASSES = 50
 # How long a sweep waits for its jail to read FROZEN before killing anyway: a process inside a long system call (a

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from . import landlock
 from .common import SANDBOX_SCRATCH_ROOT, Launch, _hidden_roots, _needed_paths, clean_env
+from .level import IsolationLevel
 from .seccomp import FAMILIES_IN_A_NETWORK_NAMESPACE
 
 
@@ -97,3 +98,27 @@ def launch(worker: str, network: bool, writable: tuple[str, ...]) -> Launch:
     missing = [m for m in shared.missing if not m.startswith(("private /tmp", "memory bound"))]
     # Sessions share the user's uid (and a /tmp): the filter refuses metadata changes and uncounted memory as there.
     return Launch("bwrap", command, SANDBOX_SCRATCH_ROOT, shared.landlock, shared.socket_families, missing, True)
+
+
+class Bubblewrap(IsolationLevel):
+    """The level `isolation="auto"` tries first: a private read-only view of the host, and namespaces per session
+    (the zygote inside bubblewrap may make them even for a normal user)."""
+
+    name = "bwrap"
+    title = "bubblewrap"
+    private_filesystem = True
+    filesystem_confined = True
+    always_jails = True
+
+    def problem(self, network: bool) -> str | None:
+        return problem(network)  # the module's function, looked up at each call (tests replace it)
+
+    def launch(self, worker: str, network: bool, writable: tuple[str, ...], why: str) -> Launch:
+        return launch(worker, network, writable)
+
+    def drops_privileges(self, launch: Launch, worker: str) -> bool:
+        # Inside bubblewrap every path the interpreter needs is re-exposed to other uids: root may always drop.
+        return os.geteuid() == 0
+
+
+LEVEL = Bubblewrap()

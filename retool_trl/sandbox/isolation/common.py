@@ -15,7 +15,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-ISOLATION_MODES = ("auto", "bwrap", "landlock", "none")
 # Scratch directories live here inside bubblewrap (a private tmpfs), and under a host temp dir without it.
 SANDBOX_SCRATCH_ROOT = "/tmp/retool-sandbox"
 # Everything else of the trainer's environment (tokens, cloud credentials, proxies) stays out of the sandbox.

@@ -22,11 +22,13 @@ from ..jail.landlock import (  # noqa: F401 - re-exported: the level's ABI check
     not_enforced,
     restrict_self,
 )
+from .common import Launch
+from .level import IsolationLevel
 
 
 def launch(worker, network):
     """The trainer side: the zygote runs directly, each session restricts itself (see `restrict_self`)."""
-    from .common import Launch, _needed_paths, can_drop_privileges, may_watch_other_uids
+    from .common import _needed_paths, can_drop_privileges, may_watch_other_uids
     from .seccomp import FAMILIES_IN_A_NETWORK_NAMESPACE, FAMILIES_WITHOUT_NAMESPACES
 
     abi = abi_version()
@@ -74,3 +76,29 @@ def launch(worker, network):
         )
     families = FAMILIES_IN_A_NETWORK_NAMESPACE if network else FAMILIES_WITHOUT_NAMESPACES
     return Launch("landlock", [], None, rules, families, missing, confined_owner=True)
+
+
+def seccomp_problem() -> str | None:
+    """The Landlock level leans on seccomp for the network (no IP sockets): without a filter it is no level."""
+    from .seccomp import FAMILIES_WITHOUT_NAMESPACES, seccomp_program
+
+    why = seccomp_program(FAMILIES_WITHOUT_NAMESPACES, confined_owner=True)[1]
+    return None if why is None else f"no seccomp filter ({why}; pip install pyseccomp and libseccomp2)"
+
+
+class LandlockLevel(IsolationLevel):
+    """What `isolation="auto"` takes where bubblewrap cannot make namespaces: no privilege needed, reads and writes
+    confined by each session's own Landlock rules; namespaces per session only where the trainer is root."""
+
+    name = "landlock"
+    title = "Landlock"
+    filesystem_confined = True
+
+    def problem(self, network: bool) -> str | None:
+        return landlock_problem() or seccomp_problem()
+
+    def launch(self, worker: str, network: bool, writable: tuple[str, ...], why: str) -> Launch:
+        return launch(worker, network)
+
+
+LEVEL = LandlockLevel()

@@ -1,6 +1,6 @@
 """Freezing one session's cgroup (v1 `freezer.state`, v2 `cgroup.freeze`). Jail side, stdlib-only: the zygote thaws
-the jails it kills, and the host (`host/cgroups.py`, `host/parking.py`) freezes and thaws parked sessions with the
-same two functions.
+the jails it kills, and the host (`host/cgroup_control.py`, `host/parking.py`) freezes and thaws parked sessions with
+the same two functions.
 """
 
 import os

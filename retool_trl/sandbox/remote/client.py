@@ -19,10 +19,7 @@ request of three JSON fields.
 
 from __future__ import annotations
 
-import email.utils
-import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -32,45 +29,17 @@ from collections.abc import Iterable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
-from ..base import ExecResult, SessionBase, check_pairs, cut_output, refusal, signal_death_line, truncate_output
+from ..base import ExecResult, SessionBase, check_pairs, refusal
 from .driver import build_driver
+from .replies import ReplyReading
 from .service import ServiceFailure as _ServiceFailure
 from .service import close_remote, offers_sessions, run_remote
+from .transport import Transport
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
 
-# A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
-# better served by an infrastructure error (retried or dropped by the caller) than by a stalled batch.
-_MAX_WAIT_S = 30.0
-
 # How long `close()` waits for the sessions being closed on their servers.
 _CLOSE_WAIT_S = 10.0
-
-# The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
-_sleep = time.sleep
-
-
-class _Retryable(Exception):
-    """A failure of the service that may pass on another attempt (transport, HTTP 5xx/429, bad JSON, SandboxError)."""
-
-    def __init__(self, problem: str, retry_after: float | None = None):
-        super().__init__(problem)
-        self.retry_after = retry_after
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds asked by an HTTP `Retry-After` header (delta-seconds or HTTP-date), or `None`."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time()) if when.tzinfo else None
 
 
 class RemoteSession(SessionBase):
@@ -99,7 +68,7 @@ class RemoteSession(SessionBase):
                 pass
 
 
-class RemoteSandbox:
+class RemoteSandbox(Transport, ReplyReading):
     """Stateful Python sessions on a SandboxFusion-compatible code execution service.
 
     On our sandbox server (`retool-trl sandbox-server`, whose `/health` says it offers sessions) a session is opened
@@ -337,163 +306,6 @@ class RemoteSandbox:
         duration = time.monotonic() - start
         return self._result(session, code, response, duration)
 
-    def _post(self, body: dict, run_timeout: float, server: str | None = None) -> dict:
-        """POSTs with retries on failures of the service; returns the response JSON.
-
-        Raises:
-            `_ServiceFailure`: at once on an HTTP 4xx other than 429 (a bad request stays bad), or when the retries
-                run out, with the last problem and the number of attempts.
-        """
-        timeout = self.request_timeout_s or run_timeout + 30.0
-        return self._request("POST", server or self.url, "/run_code", body, timeout, True)
-
-    def _request(self, method: str, server: str, path: str, body, timeout: float, resend: bool) -> dict:
-        """One call with retries; `resend=False` retries only what the server surely did not run (429, 503, a
-        connection never made). A server that cannot be reached gets no new sessions for a while."""
-        import tenacity
-
-        client, _ = self._start()
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(_Retryable),
-            stop=tenacity.stop_after_attempt(self.retries + 1),
-            wait=self._wait,
-            sleep=_sleep,
-        )
-        try:
-            return retrying(self._attempt, client, body, timeout, method, server + path, resend)
-        except tenacity.RetryError as exc:
-            last = exc.last_attempt
-            failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
-        except _ServiceFailure as exc:
-            failure = exc
-        if failure.unreachable:
-            self._mark_down(server)
-        raise failure
-
-    def _mark_down(self, server: str) -> None:
-        """New sessions go to the other servers for a while (where there are others)."""
-        if len(self.urls) > 1:
-            self._down_until[server] = time.monotonic() + _MAX_WAIT_S
-
-    def _wait(self, retry_state) -> float:
-        """Delay before the next attempt: the backoff, or the service's `Retry-After` when longer (both capped)."""
-        import tenacity
-
-        backoff = tenacity.wait_exponential(multiplier=self.backoff_s) + tenacity.wait_random(0, self.backoff_s)
-        asked = getattr(retry_state.outcome.exception(), "retry_after", None) or 0.0
-        return min(max(backoff(retry_state), asked), _MAX_WAIT_S)
-
-    def _attempt(self, client, body, timeout: float, method: str, url: str, resend: bool) -> dict:
-        """One request. Raises `_Retryable` on a failure of the service, `_ServiceFailure` on a client error (and,
-        with `resend=False`, on a failure after which the request may have been served)."""
-        import httpx
-
-        try:
-            reply = client.request(method, url, json=body, timeout=timeout)
-        except httpx.HTTPError as exc:
-            if resend or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-                raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-            # A server that took the request and is slow to answer is busy, not gone: it keeps its new sessions.
-            unreachable = not isinstance(exc, httpx.ReadTimeout)
-            raise _ServiceFailure(f"{type(exc).__name__}: {exc}", unreachable=unreachable) from exc
-        status = reply.status_code
-        if not resend and status >= 500 and status != 503:
-            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)
-        # 409 with Retry-After: our server's session is still running an earlier cell and ran nothing of this one.
-        if status >= 500 or status == 429 or (status == 409 and reply.headers.get("Retry-After")):
-            asked = _retry_after(reply.headers.get("Retry-After")) if status in (409, 429, 503) else None
-            raise _Retryable(f"HTTP {status}", asked)
-        if status >= 400:
-            raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)  # a bad request stays bad
-        try:
-            data = reply.json()
-        except ValueError:
-            raise _Retryable("invalid JSON in the response") from None
-        if not isinstance(data, dict) or data.get("status") == "SandboxError":
-            raise _Retryable(f"SandboxError: {str(data.get('message', '') if isinstance(data, dict) else data)[:200]}")
-        return data
-
-    def _result(self, session: RemoteSession, code: str, response: dict, duration: float) -> ExecResult:
-        """The `ExecResult` of a cell from the service's response: from the program's report, as `LocalSandbox`
-        words it, or, when the program could not report, from what the service says of the process."""
-        run = response.get("run_result") or {}
-        stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
-        status, return_code = run.get("status"), run.get("return_code")
-        if status == "TimeLimitExceeded":  # the replay or the interpreter's start took the service's whole limit
-            return self._broken_result(session, "timeout", self._timeout_line(), duration, timed_out=True)
-        report = _last_json_line(stdout) if status == "Finished" and return_code == 0 else None
-        if report is None:
-            # The program itself died (killed by the service or a cell's doing that reached it) or never ran.
-            tail = truncate_output(stderr, self.max_output_chars, "tail")
-            reason = f"exited with code {return_code}" if return_code is not None else f"ended with status {status}"
-            line = f"SystemError: the interpreter process {reason}"
-            return self._broken_result(
-                session, "crash", tail + ("" if not tail or tail.endswith("\n") else "\n") + line, duration
-            )
-        if "replay_failed" in report:
-            line = (
-                f"SessionError: replaying earlier cell {report['replay_failed']} failed ({report.get('error')}); "
-                "the session state is lost\n"
-            )
-            return self._broken_result(session, "replay failure", line, duration)
-        if report.get("timeout"):
-            return self._broken_result(session, "timeout", self._timeout_line(), duration, timed_out=True)
-        try:
-            output = cut_output(str(report["head"]), str(report["tail"]), int(report["total"]), self.max_output_chars)
-            error, error_total = str(report.get("error") or ""), int(report.get("error_total") or 0)
-        except (KeyError, TypeError, ValueError):
-            invalid = "SystemError: the interpreter sent an invalid reply"
-            return self._broken_result(session, "crash", invalid, duration)
-        crash = report.get("crash")
-        if isinstance(crash, dict):
-            line, timed_out, infra = _crash_line(crash, self.cpu_time_s)
-            session._broken = "infrastructure error" if infra else "timeout" if timed_out else "crash"
-            return ExecResult(output + line, ok=False, timed_out=timed_out, duration_s=duration, infra_error=infra)
-        if error:  # the traceback keeps its end: the last line says what happened
-            output += cut_output(error, error, max(error_total, len(error)), self.max_output_chars, "tail")
-        ok, fatal = report.get("ok") is True, report.get("fatal")
-        if fatal:
-            session._broken = str(fatal)
-        elif ok:
-            session._cells.append(code)
-            session._numbers.append(session.calls)
-            session._replay_s += float(report.get("duration_s") or 0.0)
-        return ExecResult(output, ok=ok, timed_out=fatal == "cpu time limit", duration_s=duration)
-
-    def _timeout_line(self) -> str:
-        return f"TimeoutError: execution exceeded {self.timeout_s:g} s"
-
-    @staticmethod
-    def _broken_result(
-        session: RemoteSession, reason: str, output: str, duration: float, timed_out: bool = False
-    ) -> ExecResult:
-        session._broken = reason
-        return ExecResult(output, ok=False, timed_out=timed_out, duration_s=duration)
-
 
 # Room in the service's time limit for the interpreter's start and the program's report, on top of the cell's.
 _STARTUP_S = 10.0
-
-
-def _last_json_line(stdout: str) -> dict | None:
-    """The program's report: the last line of the service's stdout, if it is a JSON object."""
-    try:
-        report = json.loads(stdout.rstrip("\n").rpartition("\n")[2])
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) else None
-
-
-def _crash_line(crash: dict, cpu_time_s: float) -> tuple[str, bool, bool]:
-    """(line, timed_out, infra_error) for a cell whose process died, in `LocalSandbox`'s words."""
-    if "signal" in crash:
-        sig = int(crash["signal"])
-        if sig == signal.SIGXCPU:
-            return f"TimeoutError: CPU time limit of {cpu_time_s:g} s exceeded", True, False
-        if sig == signal.SIGKILL:
-            # The cell can send it to itself (the service gives it no pid namespace of its own), so it is the cell's
-            # crash: were it the sandbox's failure, a snippet could leave its completion unscored (no -1) at will.
-            # An outside kill (the service machine's OOM killer) reads the same and is scored like the cell's.
-            return "SystemError: the interpreter process was killed (SIGKILL)", False, False
-        return signal_death_line(sig), False, False
-    return f"SystemExit: the interpreter process exited with code {int(crash.get('exit', -1))}", False, False
