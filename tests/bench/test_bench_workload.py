@@ -1,6 +1,6 @@
-"""The async benchmark's workload (`scripts/bench_async_parts.make_workload`) is the straggler workload its figures
-claim: a per-turn barrier waits on a different completion at different turns, as in a real GRPO batch, and the snippet
-latencies are long-tailed. A workload without that property measures a barrier that costs nothing."""
+"""The async benchmark's workload (`scripts/bench/bench_async_parts.make_workload`) is the straggler workload its
+figures claim: a per-turn barrier waits on a different completion at different turns, as in a real GRPO batch, and the
+snippet latencies are long-tailed. A workload without that property measures a barrier that costs nothing."""
 
 import hashlib
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 from bench_async_parts import make_workload  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The figures a user reads in README.md and docs/performance.md are the ones the benchmarks wrote.
 
-Each benchmark appends a JSON line to `scripts/results/<benchmark>.jsonl`; `scripts/render_figures.py` renders the
-performance tables from those lines. These tests stand for a user who reruns a documented command and compares: a
+Each benchmark appends a JSON line to `scripts/results/<benchmark>.jsonl`; `scripts/render/render_figures.py` renders
+the performance tables from those lines. These tests stand for a user who reruns a documented command and compares: a
 figure edited by hand, or a results line added without re-rendering, fails here (and in CI).
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "render"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # results_log
 
 import render_figures  # noqa: E402
 import results_log  # noqa: E402
@@ -35,7 +36,7 @@ def _copy_repo(tmp_path: Path) -> Path:
 def test_the_docs_figures_are_the_ones_in_the_results_files():
     """A user compares README/docs with the results files: the rendered tables must be exactly what they hold."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "render_figures.py"), "--check"],
+        [sys.executable, str(ROOT / "scripts" / "render" / "render_figures.py"), "--check"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,4 +1,4 @@
-"""The GPU check (`scripts/gpu_check.py`) on a CPU: it is run blind on a GPU machine without network access, with a
+"""The GPU check (`scripts/gpu/gpu_check.py`) on a CPU: it is run blind on a GPU machine without network access, with a
 few minutes of device time, so whatever can break before CUDA matters must break here first."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 
 
 def test_qwen_shaped_tokenizer_keeps_qwen_ids_and_format():
@@ -42,7 +42,7 @@ def test_cpu_run_emits_the_json_line(tmp_path):
     out = tmp_path / "check.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--skip", "mask_gradient,kv_reuse"]
+        [sys.executable, "scripts/gpu/gpu_check.py", "--device", "cpu", "--skip", "mask_gradient,kv_reuse"]
         + ["--steps", "1", "--repeats", "1", "--out", str(out)],
         cwd=ROOT,
         env=env,

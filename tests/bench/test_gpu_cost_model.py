@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 from gpu_cost_model import GpuCost, ideal_async, ideal_barrier, prefix_cached, run_gpu_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""`scripts/sandbox_soak.py` for about 20 seconds on the level `auto` picks here (bubblewrap as root on a host;
+"""`scripts/ci/sandbox_soak.py` for about 20 seconds on the level `auto` picks here (bubblewrap as root on a host;
 Landlock in a default container or as a normal user without user namespaces): its last line is the JSON object the
 CI stage and the results file read, it ran benign and hostile cells over many sessions, its exit status says whether
 an invariant broke, and on bubblewrap as root (where the contract holds whole) nothing broke, nothing was left and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sandbox_soak.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ci" / "sandbox_soak.py"
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -78,8 +78,8 @@ def test_configuration_docs_list_the_multiturn_dataset():
 
 def test_commands_make_openmp_threads_wait_passively():
     """A user on a shared machine: torch's OpenMP threads spun while waiting and burnt several times the CPU under
-    load (scripts/cpu_under_load.py measures it). The CLI sets OMP_WAIT_POLICY=PASSIVE before torch loads, and keeps
-    a policy the user set."""
+    load (scripts/bench/cpu_under_load.py measures it). The CLI sets OMP_WAIT_POLICY=PASSIVE before torch loads, and
+    keeps a policy the user set."""
     code = (
         "import os, sys\n"
         "from retool_trl.cli import main\n"

@@ -14,7 +14,7 @@ def test_ci_runs_the_readmes_test_command_in_a_default_container():
     """CI's container stage ran only the sandbox's contract tests in a default rootful container, so the README's test
     command could be red there (where most GPU users train) without CI noticing. It now runs that command, the whole
     fast suite, in the container."""
-    script = (REPO / "scripts" / "test_containers.sh").read_text().replace("\\\n", " ")
+    script = (REPO / "scripts" / "ci" / "test_containers.sh").read_text().replace("\\\n", " ")
     pytest_args = shlex.split(re.search(r"^PYTEST=\((.*)\)$", script, re.MULTILINE).group(1))
     assert pytest_args[:3] == ["-m", "pytest", "-q"]  # `python -m pytest -q`, as the README says
     [run] = [line for line in script.splitlines() if line.strip().startswith("podman ") and " run " in line]

@@ -68,6 +68,16 @@ def options_of(words: list[str]) -> list[str]:
     return [w.split("=", 1)[0] for w in words if w.startswith("--")]
 
 
+def script_source(path: Path) -> str:
+    """A script's source; for an entry point kept at its documented path that runs the script of the same name in a
+    purpose folder (`scripts/bench_rollout.py` runs `scripts/bench/bench_rollout.py`), the source of that script."""
+    source = path.read_text()
+    if "runpy.run_path" in source:
+        (target,) = path.parent.glob(f"*/{path.name}")
+        source = target.read_text()
+    return source
+
+
 def check_command(line: str) -> list[str]:
     """What is wrong with one shown command line (an empty list when nothing is)."""
     words = shlex.split(line.replace("[", "").replace("]", ""))
@@ -89,8 +99,8 @@ def check_command(line: str) -> list[str]:
             if command in ("train", "sft"):
                 accepted.add("--config")  # TrlParser's own option, not in the help text
             problems += [f"retool-trl {command} has no option {o}" for o in options_of(rest) if o not in accepted]
-        elif re.match(r"^scripts/\w+\.py$", word) and (ROOT / word).exists():
-            source = (ROOT / word).read_text()
+        elif re.match(r"^scripts/[\w/]+\.py$", word) and (ROOT / word).exists():
+            source = script_source(ROOT / word)
             if "add_argument" in source:  # argparse scripts: each option shown is one they define
                 problems += [f"{word} has no option {o}" for o in options_of(words[k + 1 :]) if f'"{o}"' not in source]
     return problems

@@ -2,7 +2,7 @@
 
 gloo, which the CPU tests use between processes, accepts host tensors; NCCL does not. `nccl_harness` remembers which
 tensors a GPU run would hold on the host and refuses them in collectives, so these tests fail where a GPU run would
-crash. The two-process version of the same check runs in the engine stage (tests/test_engine_multiproc.py).
+crash. The two-process version of the same check runs in the engine stage (tests/engines/test_engine_multiproc.py).
 """
 
 import os

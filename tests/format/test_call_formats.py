@@ -3,7 +3,8 @@ reward reads, and a short GRPO run with each on the tiny setup.
 
 The real condition: models written for other habits than the ReTool paper's tags. Zero-RL models (ToRL, SimpleTIR,
 ZeroTIR) write ```` ```python ```` blocks and read ```` ```output ```` fences; an instruct model calls tools in its
-chat template's format (`tests/test_qwen_vocab.py` runs that one with Qwen's real vocabulary and TRL's templates).
+chat template's format (`tests/rollout/test_qwen_vocab_text.py` runs that one with Qwen's real vocabulary and TRL's
+templates).
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """TRL's vLLM server (`scripts/vllm_serve.py`) on 127.0.0.1, started and stopped by the caller (a fixture)."""
+    """TRL's vLLM server (`scripts/serve/vllm_serve.py`) on 127.0.0.1, started and stopped by the caller (a
+    fixture)."""
 
     def __init__(
         self, model: str, port: int | None = None, startup_timeout_s: float = 300.0, max_model_len: int = 512

@@ -1,5 +1,5 @@
-"""Machinery of the KV-cache exactness check (`tests/test_kv_reuse_exact.py`), shared with `scripts/gpu_check.py`
-so the same check runs on CUDA in fp32 and bf16. Imports no pytest."""
+"""Machinery of the KV-cache exactness check (`tests/rollout/test_kv_reuse_exact.py`), shared with
+`scripts/gpu/gpu_check.py` so the same check runs on CUDA in fp32 and bf16. Imports no pytest."""
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList

@@ -1,6 +1,7 @@
 """The isolation contract's checks, run by a trainer in whatever condition the caller put it in (a normal user, a
-default container, ...): prints one JSON object, each check's observed outcome. Used by tests/test_sandbox_levels.py
-and tests/test_sandbox_container.py; run as `python tests/sandbox_levels_probe.py [ISOLATION]`.
+default container, ...): prints one JSON object, each check's observed outcome. Used by
+tests/sandbox/isolation/test_levels.py and tests/sandbox/isolation/test_container.py; run as `python
+tests/helpers/sandbox_levels_probe.py [ISOLATION]`.
 
 The nine checks of the container report (uid 0, /etc/shadow, a .env in the launch directory, TCP to the trainer's
 loopback, UDP out, another session's scratch, SIGKILL of another session, a leftover process, memory), and the

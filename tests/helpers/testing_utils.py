@@ -1,4 +1,4 @@
-"""Test support (as TRL keeps it in `tests/testing_utils.py`): tokenizers and tiny models, fakes of TRL's vLLM
+"""Test support (as TRL keeps its own in a `testing_utils` module): tokenizers and tiny models, fakes of TRL's vLLM
 helper, and the assertions several test files share. Not part of the package."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ TOOL_SCRIPTS = [
 ]
 
 
-# TRL loss types whose interpreter-token gradient is checked (tests/test_trainer.py, scripts/gpu_check.py).
+# TRL loss types whose interpreter-token gradient is checked (tests/training/test_trainer.py,
+# scripts/gpu/gpu_check.py).
 MASK_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 
 
@@ -268,7 +269,7 @@ def interpreter_token_gradients(trainer, inputs) -> tuple:
 
     The gradient is taken w.r.t. the final hidden states: after the last norm there is no attention, so the gradient
     at position t is exactly the loss contribution of the token predicted there (TRL fuses the LM head, so logits
-    are never materialised and cannot be hooked). Used by the CPU test and by `scripts/gpu_check.py` on CUDA.
+    are never materialised and cannot be hooked). Used by the CPU test and by `scripts/gpu/gpu_check.py` on CUDA.
     """
     grads = []
 

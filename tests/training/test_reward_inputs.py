@@ -65,7 +65,7 @@ def test_reward_functions_receive_only_per_completion_facts(tmp_path):
 
 class PartlyDownSandbox(FakeSandbox):
     """Fails the cells that print 1 or 2 for its own reasons; runs the others (a step that fails every call stops
-    the run instead: tests/test_no_silent_failure.py)."""
+    the run instead: tests/training/test_no_silent_failure.py)."""
 
     def run_many(self, pairs):
         return [

@@ -2,7 +2,7 @@
 
 The fake has vLLM's request-level interface (`add_request`, `step`, `abort_request`): every step decodes one token
 of each request in flight, and a request finishes at EOS, its budget or a stop string, as in vLLM. The real engine is
-tested in tests/test_engine_vllm.py.
+tested in tests/engines/test_engine_vllm.py.
 """
 
 import threading

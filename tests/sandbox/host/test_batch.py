@@ -152,7 +152,7 @@ def test_a_kill_between_calls_shows_no_earlier_output():
     with LocalSandbox(num_workers=1, timeout_s=5.0, preload=()) as sb:
         s = sb.session()
         assert s.run("print('earlier output')").output == "earlier output\n"
-        if not sb._sessions_are_pid_one():  # as its neighbours in test_sandbox_redteam4_calls.py
+        if not sb._sessions_are_pid_one():  # as its neighbours in sandbox/host/test_parked_sessions_cpu.py
             pytest.skip("needs a pid namespace per session: without one a SIGKILL is the cell's own death")
         os.kill(s._proc.host_pid, 9)
         r = s.run("print('later')")

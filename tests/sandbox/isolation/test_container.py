@@ -5,7 +5,7 @@ set (no CAP_SYS_ADMIN, no CAP_SYS_PTRACE), read-only cgroups, its own network an
 This machine's files are the container's root through an overlay (`--rootfs /:O`), so the checkout and its virtual
 environment (under mode-700 /root) are the ones under test. bubblewrap cannot make namespaces there; `LocalSandbox()`
 with its defaults must still start, on the Landlock level, and keep the contract checks in `sandbox_levels_probe.py`.
-Skipped where podman or runc is not installed (`scripts/test_containers.sh` installs them in CI).
+Skipped where podman or runc is not installed (`scripts/ci/test_containers.sh` installs them in CI).
 """
 
 import json

@@ -6,7 +6,7 @@ A normal user runs the trainer (uid 65534, with nothing but what any user has): 
 here: it makes the interpreter (under mode-700 /root) reachable in a private mount namespace, blocks user namespaces
 by setting the limit to 0 inside a user namespace of its own (the limit is per user namespace), then drops to the
 user. The contract checks themselves are in `sandbox_levels_probe.py`; the default container is in
-`test_sandbox_container.py`.
+`sandbox/isolation/test_container.py`.
 """
 
 import json

@@ -6,7 +6,7 @@ namespaces runs every session as the trainer's own uid. Landlock governs what a 
 metadata of files nor the calls that act on another process of its uid, and no cgroup counts its memory, tasks or
 files. Each test runs one attack through the public API (`LocalSandbox(isolation="landlock")`, `session().run`) and
 checks what the trainer itself observes (a file's stat, a process's limits, the cell's own count of what it held),
-never the cell's word that it failed. `scripts/test_containers.sh` runs this file inside a default container and as
+never the cell's word that it failed. `scripts/ci/test_containers.sh` runs this file inside a default container and as
 a normal user with user namespaces allowed (the `bwrap` level, sessions sharing the user's uid) and blocked; on a
 host where the trainer is root with every capability the same attacks meet a uid per session and cgroups, and must
 fail there too. Each test runs on both levels, `landlock` and `bwrap`, where that level runs.

@@ -1,5 +1,5 @@
 """`RemoteSandbox` against a small SandboxFusion-like server on 127.0.0.1 that behaves like the real one where it
-matters (tests/fake_sandboxfusion.py says how)."""
+matters (tests/helpers/fake_sandboxfusion.py says how)."""
 
 import email.utils
 import time

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs a command as a normal user of this host, the way a trainer runs on a shared workstation or a Slurm node.
 
-    python scripts/as_normal_user.py UID BLOCK_USERNS NEEDED_PATHS COMMAND...
+    python scripts/ci/as_normal_user.py UID BLOCK_USERNS NEEDED_PATHS COMMAND...
 
 Must start as root. NEEDED_PATHS (":"-separated; "-": none) are what the user must reach: the interpreter's
 install and the checkout. In a private mount namespace, /root is replaced by an empty, traversable tmpfs that shows

@@ -3,8 +3,8 @@
 - small-cell latency (p50/p99) at 1, 8 and 32 sessions calling at once (each its own session, warm, back to back),
   and cells/s at the highest;
 - a session's cost by call index (8 calls of a cell that computes for a few ms): in a jail on our server (flat) and
-  replayed on a stateless SandboxFusion-like service (the in-repo fake, tests/fake_sandboxfusion.py, which runs each
-  request the way SandboxFusion does: one fresh interpreter), where call n runs n cells;
+  replayed on a stateless SandboxFusion-like service (the in-repo fake, tests/helpers/fake_sandboxfusion.py, which runs
+  each request the way SandboxFusion does: one fresh interpreter), where call n runs n cells;
   `session_call_cost_ratio` = 8th call over 1st on ours, `replay_call_cost_ratio` the same replayed;
 - `--server-runs` alternated runs (ours then replay, replay then ours, ...): medians, with min-max.
 """
@@ -64,8 +64,8 @@ def _server(workers: int, max_concurrency: int = 256, max_sessions: int | None =
 
 @contextlib.contextmanager
 def _fake():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from fake_sandboxfusion import FakeSandboxFusion
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from helpers.fake_sandboxfusion import FakeSandboxFusion
 
     srv = FakeSandboxFusion()
     threading.Thread(target=srv.serve_forever, daemon=True).start()

@@ -1,21 +1,23 @@
 """The emergence quickstart's figures in docs/quickstart.md, from `scripts/results/quickstart_emerge.jsonl`.
 
-`scripts/quickstart_seeds.py --task emerge` appends one line per seed. The table uses, per seed, the newest line
-labelled `shipped` measured with the same settings as the newest such line (so a re-tuned recipe replaces the old
+`scripts/experiments/quickstart_seeds.py --task emerge` appends one line per seed. The table uses, per seed, the newest
+line labelled `shipped` measured with the same settings as the newest such line (so a re-tuned recipe replaces the old
 seeds instead of mixing with them); the no-code control is the newest `no_code` line per seed. The plot
 (`quickstart_emerge_seeds.png`, the same drawing as a run folder's) is redrawn from the same lines.
-`scripts/render_figures.py` calls `blocks` and `draw`.
+`scripts/render/render_figures.py` calls `blocks` and `draw`.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import results_log
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import results_log  # noqa: E402
 
 BENCHMARK = "quickstart_emerge"
 PLOT = "quickstart_emerge_seeds.png"
-COMMAND = "python scripts/quickstart_seeds.py --task emerge --seeds 0-4"
+COMMAND = "python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0-4"
 
 
 def _chosen(directory: Path, label: str) -> list[tuple[int, dict]]:

@@ -1,6 +1,7 @@
 """The pieces of `bench_async_rollout.py`: the model, the vLLM server, the straggler workload, the forced engines.
 
-Run the benchmark itself (`scripts/bench_async_rollout.py`); this module is imported from it.
+Run the benchmark itself (`scripts/bench_async_rollout.py`, which runs `scripts/bench/bench_async_rollout.py`); this
+module is imported from it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import re
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from vllm_serve import local_command
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))  # vllm_serve.py, the server users run
+from vllm_serve import local_command  # noqa: E402
 
 from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
 from retool_trl.rollout.per_completion import CompletionsEngine
@@ -72,7 +76,7 @@ def build_model(path: Path):
 
 
 class Server:
-    """TRL's vLLM server for this CPU build (`scripts/vllm_serve.py`) on 127.0.0.1, in its own process group."""
+    """TRL's vLLM server for this CPU build (`scripts/serve/vllm_serve.py`) on 127.0.0.1, in its own process group."""
 
     def __init__(self, model: Path, log: Path):
         with socket.socket() as sock:

@@ -12,7 +12,7 @@ Prompt and interpreter tokens are masked from the loss. The weights are stored i
 fresh model instead (with 2.5% code traces it never learns to copy: forced to start a code block, it writes a
 random expression, so RL has no correct code sample to reinforce).
 
-    python scripts/build_emerge_model.py [--output-dir DIR] [--code-fraction F] [--init-from DIR|none]
+    python scripts/build/build_emerge_model.py [--output-dir DIR] [--code-fraction F] [--init-from DIR|none]
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ class _ServiceHandler(BaseHTTPRequestHandler):
 
 def run_capacity(args) -> dict:
     """The `--server-capacity` measurements (`args`: `sessions`, `server_runs`, `workers`, `max_cell_ms`)."""
-    from sandbox_server_bench import _server  # scripts/ is on sys.path when run as a script
+    from sandbox_server_bench import _server  # scripts/bench/ is on sys.path when run as a script
 
     sizes = tuple(args.sessions or DEFAULT_SIZES)
     workers = args.workers or os.cpu_count() or 1

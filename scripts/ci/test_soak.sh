@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI stage: the seeded sandbox soak (scripts/sandbox_soak.py), MINUTES (default 2) on each isolation level this
+# CI stage: the seeded sandbox soak (scripts/ci/sandbox_soak.py), MINUTES (default 2) on each isolation level this
 # machine gives: the host's levels that start (bubblewrap, Landlock), then, as root with podman, Landlock in a
 # default rootful container and as a normal user whose user namespaces are blocked. A broken invariant fails the
 # stage by its name, except those listed as known (comma-separated invariant names: reported in the JSON's "known",
@@ -8,16 +8,16 @@
 # 0.1 s, and a cell that writes faster than that passes scratch_mb between two samples before it is killed (the
 # docs' "not promised" for that level says so); the soak writes 96 MB under scratch_mb=32 that way.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT="$PWD"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 MINUTES="${MINUTES:-2}"
-SOAK=(scripts/sandbox_soak.py --minutes "$MINUTES" --seed 1 --json --no-record)
+SOAK=(scripts/ci/sandbox_soak.py --minutes "$MINUTES" --seed 1 --json --no-record)
 HOST_KNOWN=(--expect-known "${EXPECT_KNOWN_HOST:-}")
 LANDLOCK_KNOWN=(--expect-known "${EXPECT_KNOWN_LANDLOCK-scratch_bounded}")
 start=$(date +%s)
 
-levels=$(PYTHONPATH="$ROOT" "$PY" scripts/sandbox_soak.py --list-levels)
+levels=$(PYTHONPATH="$ROOT" "$PY" scripts/ci/sandbox_soak.py --list-levels)
 for level in $levels; do
     echo "== soak: $level on the host"
     PYTHONPATH="$ROOT" "$PY" "${SOAK[@]}" "${HOST_KNOWN[@]}" --level "$level"
@@ -43,7 +43,7 @@ PY
 )
     echo "== soak: auto as a normal user (uid 65534), user namespaces blocked"
     status=0
-    "$PY" scripts/as_normal_user.py 65534 1 "$KEEP" env HOME=/tmp PYTHONPATH="$ROOT" PATH="$PATH" \
+    "$PY" scripts/ci/as_normal_user.py 65534 1 "$KEEP" env HOME=/tmp PYTHONPATH="$ROOT" PATH="$PATH" \
         "$PY" "${SOAK[@]}" "${LANDLOCK_KNOWN[@]}" --level auto || status=$?
     if [ "$status" = 90 ]; then
         echo "soak: no normal user here (the namespaces cannot be made: a container); not run"

@@ -17,7 +17,7 @@ Invariants checked throughout, each reported by name when broken:
 Prints progress, then one JSON object as the last line of stdout; appends it to `scripts/results/sandbox_soak.jsonl`;
 exits 1 when an invariant not named in `--expect-known` was broken. Usage:
 
-    python scripts/sandbox_soak.py --minutes 2 --level landlock --seed 1 --json
+    python scripts/ci/sandbox_soak.py --minutes 2 --level landlock --seed 1 --json
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
 
 import results_log  # noqa: E402
 from soak_corpus import Limits, benign_session, hostile_cell, verdicts  # noqa: E402

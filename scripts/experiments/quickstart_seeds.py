@@ -3,11 +3,11 @@
 
 One JSON line per seed (the run folder's `summary.json` figures: held-out accuracy and code ratio before and after,
 the per-step code ratio and accuracy of the training samples, `step_code_ratio_passed_50`, wall time, settings) with
-the conditions it was measured under (`results_log`). `scripts/render_figures.py` renders the docs' five-seed table
-and plot of the emergence quickstart from these lines. Seeds run one after the other.
+the conditions it was measured under (`results_log`). `scripts/render/render_figures.py` renders the docs' five-seed
+table and plot of the emergence quickstart from these lines. Seeds run one after the other.
 
-    python scripts/quickstart_seeds.py --task emerge --seeds 0-4 [--output-dir runs/emerge_seeds]
-    python scripts/quickstart_seeds.py --task emerge --seeds 0 --model DIR --label no_code  # a variant, labelled
+    python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0-4 [--output-dir runs/emerge_seeds]
+    python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0 --model DIR --label no_code  # a variant
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-import results_log
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import results_log  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

@@ -8,7 +8,7 @@ over the length budget), and of those 60% read the error and correct it while 40
 tokens are masked from the loss. The weights are stored in float16 (the config keeps `dtype: float32`, so they load
 as float32) to keep the checkpoint under 2 MB. About 10 minutes on 2 CPU cores:
 
-    python scripts/build_multiturn_model.py [--output-dir DIR] [--max-steps N]
+    python scripts/build/build_multiturn_model.py [--output-dir DIR] [--max-steps N]
 """
 
 from __future__ import annotations

@@ -3,14 +3,16 @@
 `scripts/bench_sandbox.py --server-capacity --json` appends one line per run: a row per load size for the server
 (`capacity`) and for the subprocess-per-call service beside it (`baseline`), each a median over alternated runs with
 min-max. The table, the per-node extrapolation under it and the plot (`sandbox_capacity.png`) use the newest line.
-`scripts/render_figures.py` calls `blocks` and `draw`.
+`scripts/render/render_figures.py` calls `blocks` and `draw`.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import results_log
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import results_log  # noqa: E402
 
 BENCHMARK = "sandbox_capacity"
 PLOT = "sandbox_capacity.png"

@@ -3,8 +3,8 @@
 A line holds the benchmark's own figures (the object it prints with `--json`, each median with its `_min`/`_max`)
 and, under `run`, the conditions they were measured under: UTC date, git commit (and whether the tree had
 uncommitted changes), the exact command, package versions, CPU count and the load average before and after.
-`scripts/render_figures.py` renders the docs' performance tables from these lines, so a figure a user reads is the
-one a command wrote. `--no-record` (added by `add_arguments`) keeps a try-out run out of the file.
+`scripts/render/render_figures.py` renders the docs' performance tables from these lines, so a figure a user reads is
+the one a command wrote. `--no-record` (added by `add_arguments`) keeps a try-out run out of the file.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 PACKAGES = ("torch", "transformers", "trl", "vllm", "retool-trl")
 
 

@@ -5,14 +5,14 @@
 # Everything it needs beyond those goes into the git-ignored `.whl/` (under 64 MiB, what may travel with one call),
 # with this package built as a wheel. `gpu_check.sh` later installs only the ones that machine does not have.
 #
-#     bash scripts/gpu_wheels.sh                      # Python 3.12, manylinux x86_64, into .whl/
-#     PYVER=3.11 DEST=/tmp/whl311 bash scripts/gpu_wheels.sh   # another Python (e.g. to try the install here)
+#     bash scripts/gpu/gpu_wheels.sh                          # Python 3.12, manylinux x86_64, into .whl/
+#     PYVER=3.11 DEST=/tmp/whl311 bash scripts/gpu/gpu_wheels.sh   # another Python (e.g. to try the install here)
 #
 # pyarrow (a datasets dependency TRL imports at start-up) is 55 MB as published: its wheel is trimmed here of what
 # neither datasets nor TRL loads (Arrow Flight, the S3 filesystem module, C++ headers and sources, its test suite,
 # two copies of a library kept under other names) and pandas' of its test suite; RECORD is rewritten to match.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 PYVER=${PYVER:-3.12}
 DEST=${DEST:-.whl}

@@ -5,7 +5,8 @@ on the held-out split before/after at the sampling temperature, and prints a tab
 turns per completion, mean length, and collapse (the logged code ratio falling below half its starting value).
 Writes `ablation.json` and `ablation.png` (code ratio and reward over steps) to the output folder.
 
-    python scripts/ablate_stability.py [--output-dir runs/ablation] [--max-steps 40] [--variants baseline,roc_x2]
+    python scripts/experiments/ablate_stability.py [--output-dir runs/ablation] [--max-steps 40] [--variants
+    baseline,roc_x2]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and with `--load` busy processes, each way with OpenMP's wait policy as the comm
 and prints user and system CPU per step, involuntary context switches and wall time, from the kernel's account of the
 child (`wait4`).
 
-    python scripts/cpu_under_load.py [--steps 6] [--load 8] [--policies default,ACTIVE] [--json]
+    python scripts/bench/cpu_under_load.py [--steps 6] [--load 8] [--policies default,ACTIVE] [--json]
 
 `default` is what `retool-trl quickstart` does on its own; `ACTIVE` forces OpenMP's spin-waiting, for comparison.
 """

@@ -1,4 +1,4 @@
-"""The model of `scripts/gpu_check.py`: Qwen2.5's shape, vocabulary size and chat template, random weights, built
+"""The model of `scripts/gpu/gpu_check.py`: Qwen2.5's shape, vocabulary size and chat template, random weights, built
 locally (the GPU machine has no model hub)."""
 
 from __future__ import annotations

@@ -9,11 +9,12 @@
 #   3. on the host, the tests that set up those conditions themselves and compare the levels.
 # A protection the kernel cannot give there is a skip that names it; a broken contract fails the stage.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT="$PWD"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-CONTRACT_TESTS=(tests/test_sandbox_hostile.py tests/test_sandbox_jail.py tests/test_sandbox_sealed.py tests/test_sandbox_local.py
-    tests/test_sandbox_redteam5.py)
+CONTRACT_TESTS=(tests/sandbox/jail/test_hostile_cells.py tests/sandbox/jail/test_jail.py
+    tests/sandbox/jail/test_sealed_filesystem.py tests/sandbox/host/test_local_pool.py
+    tests/sandbox/jail/test_cells_sharing_an_owner.py)
 PYTEST=(-m pytest -q -p no:cacheprovider -rs)
 
 if [ "$(id -u)" != 0 ]; then
@@ -39,10 +40,10 @@ echo "CI: the test command in a default container took $(( $(date +%s) - contain
 NEEDED="$("$PY" -c 'import os, sys; print(os.path.realpath(sys.executable))'):$ROOT"
 for block in 0 1; do
     stage "normal user (uid 65534), user namespaces $([ $block = 1 ] && echo blocked || echo allowed)"
-    "$PY" scripts/as_normal_user.py 65534 "$block" "$NEEDED" env HOME=/tmp PYTHONPATH="$ROOT" PATH="$PATH" \
+    "$PY" scripts/ci/as_normal_user.py 65534 "$block" "$NEEDED" env HOME=/tmp PYTHONPATH="$ROOT" PATH="$PATH" \
         "$PY" "${PYTEST[@]}" "${CONTRACT_TESTS[@]}"
 done
 
 stage "levels and container probe, from the host"
-PYTHONPATH="$ROOT" "$PY" "${PYTEST[@]}" tests/test_sandbox_levels.py tests/test_sandbox_container.py
+PYTHONPATH="$ROOT" "$PY" "${PYTEST[@]}" tests/sandbox/isolation/test_levels.py tests/sandbox/isolation/test_container.py
 echo "CI: container and normal-user stage took $(( $(date +%s) - start )) s"

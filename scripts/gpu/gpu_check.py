@@ -1,9 +1,9 @@
 """The GPU check: what only a GPU can show, in one command on a machine without network access.
 
 1. The interpreter mask gives exactly zero gradient to interpreter and padding tokens, in fp32 and bf16, for each
-   loss type the test suite covers (the test's own machinery, `tests/testing_utils.py`, on this device).
+   loss type the test suite covers (the test's own machinery, `tests/helpers/testing_utils.py`, on this device).
 2. KV-cache reuse across turns is exact: every token the rollout samples comes from the same logits as one full
-   forward pass over its context (`tests/kv_exactness.py`), in fp64 and fp32, with the bf16 gap reported.
+   forward pass over its context (`tests/helpers/kv_exactness.py`), in fp64 and fp32, with the bf16 gap reported.
 3. Three `ReToolTrainer` steps with LoRA, bf16, gradient checkpointing and SDPA on a randomly initialised model of
    Qwen2.5-1.5B's shape (its vocabulary size, a byte-level BPE of as many tokens, Qwen2.5's chat template as TRL
    ships it), transformers backend, the real local sandbox: losses, `retool/*` metrics, peak GPU memory, and each
@@ -35,7 +35,7 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers, reused as they are
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the tests' helpers, reused as they are
 
 import torch  # noqa: E402
 from gpu_model import build_model, build_tokenizer  # noqa: E402
@@ -97,10 +97,10 @@ def sync(device: str) -> None:
 
 # ------------------------------------------------------------------------------------------- 1. mask gradient
 def check_mask_gradient(device: str, tmp: Path) -> dict:
-    """`tests/test_trainer.py::test_interpreter_tokens_get_exactly_zero_gradient` on this device and in each dtype:
-    the largest per-token |grad| on masked tokens (must be exactly 0) and the share of model tokens with a nonzero
-    gradient (must be 1)."""
-    from testing_utils import (
+    """`tests/training/test_trainer.py::test_interpreter_tokens_get_exactly_zero_gradient` on this device and in each
+    dtype: the largest per-token |grad| on masked tokens (must be exactly 0) and the share of model tokens with a
+    nonzero gradient (must be 1)."""
+    from helpers.testing_utils import (
         MASK_LOSS_TYPES,
         TOOL_SCRIPTS,
         FakeSandbox,
@@ -146,11 +146,11 @@ def check_mask_gradient(device: str, tmp: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------- 2. KV-cache reuse
 def check_kv_reuse(device: str) -> dict:
-    """`tests/test_kv_reuse_exact.py` on this device per dtype (greedy and sampled, cache kept and not): the largest
-    gap between a sampled token's scores and the full forward's logits, and how many tokens exceed the CPU test's
-    tolerance (|gap| <= 1e-6 + 1e-6 |logit|)."""
-    from kv_exactness import check_sampled_logits
-    from testing_utils import make_char_tokenizer, make_tiny_qwen2
+    """`tests/rollout/test_kv_reuse_exact.py` on this device per dtype (greedy and sampled, cache kept and not): the
+    largest gap between a sampled token's scores and the full forward's logits, and how many tokens exceed the CPU
+    test's tolerance (|gap| <= 1e-6 + 1e-6 |logit|)."""
+    from helpers.kv_exactness import check_sampled_logits
+    from helpers.testing_utils import make_char_tokenizer, make_tiny_qwen2
 
     tokenizer = make_char_tokenizer()
     report = {}
@@ -243,13 +243,13 @@ def make_sandbox(args):
 # ------------------------------------------------------------------------------------------- 3. training steps
 def build_trainer(cli, shape: dict, tmp: Path):
     from datasets import Dataset
+    from helpers.testing_utils import ramp_reward
     from peft import LoraConfig
     from transformers import LogitsProcessorList
 
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
     from retool_trl.rollout.engines.transformers_generate import TransformersBackend
-    from testing_utils import ramp_reward
 
     on_gpu = cli.device == "cuda"
     tokenizer = build_tokenizer(shape["bpe_tokens"])

@@ -10,8 +10,8 @@ The emergence quickstart's table and plot come from `render_quickstart`, the san
 from `render_capacity`; their plots are redrawn on a rewrite (`--check`
 compares the tables only).
 
-    python scripts/render_figures.py           # rewrite the tables in place
-    python scripts/render_figures.py --check   # exit 1, naming each table that differs from its results (CI)
+    python scripts/render/render_figures.py           # rewrite the tables in place
+    python scripts/render/render_figures.py --check   # exit 1, naming each table that differs from its results (CI)
 """
 
 from __future__ import annotations
@@ -24,19 +24,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import render_capacity
-import render_quickstart
-import results_log
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_capacity, render_quickstart, when imported by a test
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import render_capacity  # noqa: E402
+import render_quickstart  # noqa: E402
+import results_log  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md")
 IGNORED_FLAGS = {"--json", "--no-record"}  # change what is printed, not what is measured
+
+
+# Scripts that moved into a purpose folder: lines recorded before the move name the old path, and still count.
+MOVED = {
+    "scripts/bench_stage_timings.py": "scripts/bench/bench_stage_timings.py",
+    "scripts/cpu_under_load.py": "scripts/bench/cpu_under_load.py",
+    "scripts/quickstart_seeds.py": "scripts/experiments/quickstart_seeds.py",
+}
 
 
 def command_key(command: str) -> tuple[str, ...]:
     """A command as it bears on the figures: the script and its flags, whatever interpreter path ran it."""
     argv = shlex.split(command)
     start = next((i for i, a in enumerate(argv) if a.endswith(".py")), 0)
+    argv[start : start + 1] = [MOVED.get(argv[start], argv[start])] if argv[start:] else []
     return tuple(a for a in argv[start:] if a not in IGNORED_FLAGS)
 
 
@@ -355,7 +366,7 @@ def _cpu(condition: str, policy: str) -> Cell:
 
 CPU_LOAD = Table(
     "cpu_under_load",
-    "python scripts/cpu_under_load.py --json",
+    "python scripts/bench/cpu_under_load.py --json",
     [
         ("quiet, as the command runs (passive OpenMP waits)", _cpu("quiet", "default")),
         ("loaded, as the command runs (passive OpenMP waits)", _cpu("loaded", "default")),
@@ -463,7 +474,7 @@ SERVER = Table(
 
 STAGES = Table(
     "stage_timings",
-    "python scripts/bench_stage_timings.py --repeats 11 --json",
+    "python scripts/bench/bench_stage_timings.py --repeats 11 --json",
     [
         ("GRPO step with the timings (`retool/time/*`): s", lambda r: fig(r, "timed_step_s", ".3f")),
         ("the same step with them switched off: s", lambda r: fig(r, "untimed_step_s", ".3f")),
@@ -521,7 +532,8 @@ def main(argv=None) -> int:
         render_capacity.draw(args.root / "scripts" / "results")
     if args.check and stale:
         print(
-            f"figures in {', '.join(stale)} differ from scripts/results/*.jsonl: run python scripts/render_figures.py",
+            f"figures in {', '.join(stale)} differ from scripts/results/*.jsonl: "
+            "run python scripts/render/render_figures.py",
             file=sys.stderr,
         )
         return 1

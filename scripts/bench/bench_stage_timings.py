@@ -8,7 +8,7 @@ of its steps' wall times (its first step, which warms up, left out; the steps' w
 script, outside the trainer's own clock). Figures: the medians over runs with min-max, and the ratio timed/untimed
 of runs paired in the same repeat.
 
-    python scripts/bench_stage_timings.py [--repeats 5] [--steps 6] [--json] [--no-record]
+    python scripts/bench/bench_stage_timings.py [--repeats 5] [--steps 6] [--json] [--no-record]
 """
 
 from __future__ import annotations

