@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers.import_graph import PACKAGE, find_cycle, import_graph
 
 

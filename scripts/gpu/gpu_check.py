@@ -243,10 +243,10 @@ def make_sandbox(args):
 # ------------------------------------------------------------------------------------------- 3. training steps
 def build_trainer(cli, shape: dict, tmp: Path):
     from datasets import Dataset
-    from helpers.testing_utils import ramp_reward
     from peft import LoraConfig
     from transformers import LogitsProcessorList
 
+    from helpers.testing_utils import ramp_reward
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
     from retool_trl.rollout.engines.transformers_generate import TransformersBackend

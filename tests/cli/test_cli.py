@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from helpers.testing_utils import (
     PROBLEMS_ARGS,
     make_char_tokenizer,
@@ -17,7 +18,6 @@ from helpers.testing_utils import (
     save_tiny_model,
     write_problems,
 )
-
 from retool_trl.cli import eval as cli_eval
 from retool_trl.cli import main
 from retool_trl.cli import sft as cli_sft

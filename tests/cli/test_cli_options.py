@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.testing_utils import make_char_tokenizer, save_tiny_model
 
+from helpers.testing_utils import make_char_tokenizer, save_tiny_model
 from retool_trl.cli import main
 from retool_trl.cli import train as cli_train
 from retool_trl.errors import UserError

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.testing_utils import make_char_tokenizer, save_tiny_model
 
+from helpers.testing_utils import make_char_tokenizer, save_tiny_model
 from retool_trl.cli.sft import parse_sft_args
 from retool_trl.cli.train import build_train, parse_train_args
 from retool_trl.data import find_known_dataset, is_local_dataset

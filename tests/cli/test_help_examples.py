@@ -6,8 +6,8 @@ import shlex
 import shutil
 
 import pytest
-from helpers.cli_runs import REPO, run_cli
 
+from helpers.cli_runs import REPO, run_cli
 from retool_trl.cli import COMMANDS, main
 from retool_trl.models.names import quickstart_model_path
 

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+
 from helpers.cli_runs import one_error_line, run_cli
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.cli_runs import REPO, one_error_line, run_cli
 
+from helpers.cli_runs import REPO, one_error_line, run_cli
 from retool_trl.cli import main
 
 pytestmark = pytest.mark.timeout(300)

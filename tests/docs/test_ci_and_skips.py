@@ -5,6 +5,7 @@ import re
 import shlex
 
 import pytest
+
 from helpers.cli_runs import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +31,6 @@ def test_a_skip_reason_is_one_short_line():
     line). A skip whose reason is not one short line now fails its test (`conftest.py`), so every skip names what is
     missing in a line; the level's own report stays where it belongs, in `isolation_report()`."""
     from helpers.skip_reasons import skip_reason_problem
-
     from retool_trl.sandbox import LocalSandbox
 
     with LocalSandbox(num_workers=1) as sandbox:

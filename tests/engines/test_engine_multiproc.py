@@ -4,6 +4,7 @@ crash, and the same completions as one process. Engine stage (each launch starts
 import json
 
 import pytest
+
 from helpers.engine_helpers import launch
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -57,7 +58,6 @@ def test_server_mode_every_rank_samples_from_the_new_weights_after_trls_weight_s
     request reaches the server before the reset; the reset is accepted. Before the fix rank 1 sent its requests while
     rank 0 was still pushing (old weights), and the reset met them."""
     from helpers.engine_helpers import RefusingProxy, VLLMServer, quickstart_dataset
-
     from retool_trl.quickstart import model_path
 
     texts = list(quickstart_dataset(4, seed=1)["prompt"])

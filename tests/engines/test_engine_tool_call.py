@@ -16,7 +16,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 from helpers.engine_helpers import VLLMServer  # noqa: E402
 from helpers.qwen_vocab import qwen_tokenizer, with_template  # noqa: E402
 from helpers.testing_utils import make_tiny_qwen2  # noqa: E402
-
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat  # noqa: E402
 from retool_trl.rollout.batched import RolloutSpec  # noqa: E402
 from retool_trl.rollout.per_completion import CompletionsEngine, async_rollout  # noqa: E402

@@ -9,6 +9,8 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 import torch  # noqa: E402
+from trl.generation.vllm_client import VLLMClient  # noqa: E402
+
 from helpers.engine_helpers import (  # noqa: E402
     VLLMServer,
     assert_same_rollout,
@@ -17,8 +19,6 @@ from helpers.engine_helpers import (  # noqa: E402
     quickstart_dataset,
     quickstart_tokenizer,
 )
-from trl.generation.vllm_client import VLLMClient  # noqa: E402
-
 from retool_trl import ReToolTrainer  # noqa: E402
 from retool_trl.quickstart import model_path  # noqa: E402
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout  # noqa: E402

@@ -11,9 +11,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.nccl_harness import HostTensorInCollective, check_collective_input, nccl_faithful
 from helpers.testing_utils import trainer_for
-
 from retool_trl.rollout.batched import RolloutResult
 from retool_trl.testing import FakeSandbox
 from retool_trl.training.metrics import rollout_metrics

@@ -6,7 +6,6 @@ from helpers.testing_utils import (
     make_char_tokenizer,
     make_tiny_qwen2,
 )
-
 from retool_trl import ReToolConfig
 from retool_trl.evaluation.inference import eos_token_ids_of
 

@@ -5,8 +5,8 @@ in thinking mode, and a chat template given by file must reach evaluation as it 
 """
 
 import pytest
-from helpers.testing_utils import make_char_tokenizer, trainer_for
 
+from helpers.testing_utils import make_char_tokenizer, trainer_for
 from retool_trl.cli.eval import parse_eval_args
 from retool_trl.errors import UserError
 from retool_trl.evaluation.inference import tokenize_prompts

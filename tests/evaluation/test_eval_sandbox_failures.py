@@ -4,6 +4,7 @@ once, and a stop during the trainer's evaluation says that evaluation stops."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.failing_sandboxes import FailsFirst
 from helpers.scripted_turns import TOKENIZER
 
@@ -42,8 +43,8 @@ def test_eval_leaves_sandbox_failures_out_of_the_scores_and_reports_them(tmp_pat
     import json
 
     from datasets import Dataset
-    from helpers.testing_utils import make_tiny_qwen2
 
+    from helpers.testing_utils import make_tiny_qwen2
     from retool_trl.config import ReToolConfig
     from retool_trl.evaluation import inference
     from retool_trl.evaluation.scoring import evaluate, write_report
@@ -84,8 +85,8 @@ def test_eval_probes_the_sandbox_once_not_once_per_chunk(tmp_path, monkeypatch):
     """`retool-trl eval` over several chunks (`batch_size` smaller than the problems x samples): the sandbox is
     probed before the first chunk only (before: once per chunk, one more session and cell each)."""
     from datasets import Dataset
-    from helpers.testing_utils import make_tiny_qwen2
 
+    from helpers.testing_utils import make_tiny_qwen2
     from retool_trl.config import ReToolConfig
     from retool_trl.evaluation import inference
     from retool_trl.evaluation.scoring import evaluate
@@ -114,7 +115,6 @@ def test_a_stop_during_the_trainers_evaluation_says_evaluation_stops(tmp_path):
     evaluation (before: "training stops", in the middle of an evaluation)."""
     from helpers.failing_sandboxes import SCRIPTS, DownAfterProbe
     from helpers.testing_utils import trainer_for
-
     from retool_trl.training.sandbox_health import SandboxUnavailableError
 
     trainer = trainer_for(tmp_path, SCRIPTS, DownAfterProbe())

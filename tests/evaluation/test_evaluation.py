@@ -4,8 +4,8 @@ import json
 
 import pytest
 from datasets import Dataset
-from helpers.testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, make_tiny_qwen2
 
+from helpers.testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, make_tiny_qwen2
 from retool_trl.config import ReToolConfig
 from retool_trl.evaluation.scoring import EvalReport, compute_metrics, evaluate, score_rollout, write_report
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout

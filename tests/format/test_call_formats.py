@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.testing_utils import make_char_tokenizer, trainer_for
 
+from helpers.testing_utils import make_char_tokenizer, trainer_for
 from retool_trl import ReToolConfig
 from retool_trl.format.calls import MarkdownFormat, TagFormat, stop_format
 from retool_trl.format.choice import call_format_from_config

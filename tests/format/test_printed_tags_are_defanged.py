@@ -3,13 +3,13 @@ nothing on either reward path, an interpreter tag inside code does not swallow t
 text becomes valid text."""
 
 import pytest
+
 from helpers.testing_utils import (
     FakeSandbox,
     ScriptedBackend,
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
-
 from retool_trl.format.parsing import Tags, model_prose
 from retool_trl.rewards.functions import boxed_accuracy
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout

@@ -12,7 +12,7 @@ What it does as vLLM 0.32 does (read from `vllm/entrypoints/openai/completion/*`
   `include_stop_str_in_output`), a stop token id, EOS, the budget or the context limit;
 - `POST /reset_prefix_cache`: refused with HTTP 409 while a completions request runs (as vLLM routers refuse it).
 
-The model is a `Script` per prompt (`tests/rollout/engines/test_turn_engines.py`): the text it writes, continued from
+The model is a `Script` per prompt (`tests/helpers/scripted_turns.py`): the text it writes, continued from
 where the sequence stands. A log-prob can be made NaN (`nan_logprob_at`), which vLLM's pydantic replies serialise as
 `null`.
 """

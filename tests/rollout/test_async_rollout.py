@@ -7,8 +7,8 @@ import time
 
 import httpx
 import pytest
-from helpers.async_scripted import SCRIPTS, SPEC, TOKENIZER, AsyncScripted, ThreadSafeSandbox, prompts
 
+from helpers.async_scripted import SCRIPTS, SPEC, TOKENIZER, AsyncScripted, ThreadSafeSandbox, prompts
 from retool_trl.rewards.functions import boxed_accuracy
 from retool_trl.rollout.batched import interleaved_rollout
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineError, async_rollout
@@ -164,8 +164,8 @@ def test_runs_inside_a_running_event_loop():
 def test_trainer_takes_the_async_path_in_server_mode(tmp_path):
     import torch
     from datasets import Dataset
-    from helpers.testing_utils import FakeVLLMGeneration
 
+    from helpers.testing_utils import FakeVLLMGeneration
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.models.tiny import save_tiny_model
     from retool_trl.testing import FakeSandbox

@@ -1,9 +1,9 @@
 """The transformers turn backend: stop at the code-end tag (also inside a longer token), at EOS, or at the budget."""
 
 import torch
-from helpers.testing_utils import make_bpe_tokenizer, make_tiny_qwen2
 from transformers import GenerationConfig
 
+from helpers.testing_utils import make_bpe_tokenizer, make_tiny_qwen2
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend, _TurnStopper
 
 
@@ -57,9 +57,9 @@ def test_backend_respects_per_sequence_budgets():
 
 def test_real_generate_rollout_with_forced_scripts():
     """The full transformers path (real forward passes, HF stopping criteria) on scripted outputs."""
-    from helpers.testing_utils import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
     from transformers import LogitsProcessorList
 
+    from helpers.testing_utils import FakeSandbox, ScriptForcingProcessor, assert_rollout_invariants, script_turns
     from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 
     tokenizer = make_bpe_tokenizer(vocab_size=400)  # tags inside longer tokens
@@ -96,9 +96,9 @@ def test_real_generate_rollout_with_forced_scripts():
 def test_kv_cache_reuse_across_turns_matches_fresh_prefill():
     """Continuing from the kept cache (finished rows dropped, interpreter tokens of different lengths spliced in
     after a masked hole) must score every later token exactly as prefilling the whole sequence again does."""
-    from helpers.testing_utils import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from helpers.testing_utils import FakeSandbox, ScriptForcingProcessor, make_char_tokenizer, script_turns
     from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 
     class Recorder(LogitsProcessor):

@@ -4,6 +4,7 @@ sandbox."""
 import random
 
 import pytest
+
 from helpers.testing_utils import (
     FakeSandbox,
     ScriptedBackend,
@@ -11,7 +12,6 @@ from helpers.testing_utils import (
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 
 TOKENIZERS = {

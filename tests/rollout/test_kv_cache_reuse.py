@@ -2,12 +2,12 @@
 exact."""
 
 import pytest
+from transformers import GenerationConfig
+
 from helpers.testing_utils import (
     make_char_tokenizer,
     make_tiny_qwen2,
 )
-from transformers import GenerationConfig
-
 from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 
 TOKENIZER = make_char_tokenizer()

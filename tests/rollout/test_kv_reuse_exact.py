@@ -9,6 +9,7 @@ of different lengths, prompts of different lengths (left padding), and greedy an
 
 import pytest
 import torch
+
 from helpers.kv_exactness import check_sampled_logits
 from helpers.testing_utils import make_char_tokenizer, make_tiny_qwen2
 

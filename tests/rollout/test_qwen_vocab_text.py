@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers.qwen_vocab import qwen_tokenizer, tool_prompt, with_template
 
+from helpers.qwen_vocab import qwen_tokenizer, tool_prompt, with_template
 from retool_trl.errors import UserError
 from retool_trl.format.calls import stop_format
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
@@ -96,7 +96,6 @@ def test_carried_text_through_the_transformers_engine(qwen):
     """A tiny random model of Qwen's vocabulary size, forced to write the scripts through `generate` (the engine's
     own stop-string criteria and KV-cache reuse): same calls, same answers."""
     from helpers.testing_utils import make_tiny_qwen2
-
     from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
     from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 
@@ -218,8 +217,8 @@ def test_a_short_grpo_run_trains_with_native_tool_calls(tmp_path, qwen_chat):
     messages are masked, and two optimizer steps move the weights."""
     import torch
     from datasets import Dataset
-    from helpers.testing_utils import make_tiny_qwen2
 
+    from helpers.testing_utils import make_tiny_qwen2
     from retool_trl import ReToolConfig, ReToolTrainer
 
     right = TOOL_SCRIPT
@@ -306,7 +305,6 @@ def test_tool_calls_through_the_transformers_engine(qwen_chat):
     """The transformers engine (no stop string: the turn ends at `<|im_end|>`; the KV cache reused across the
     inserted tool message) gives the same completion as the scripted backend: the template's rendering."""
     from helpers.testing_utils import make_tiny_qwen2
-
     from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
     from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 

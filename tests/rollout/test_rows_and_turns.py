@@ -6,7 +6,6 @@ from helpers.testing_utils import (
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.types import TurnOutput
 

@@ -6,7 +6,6 @@ from helpers.testing_utils import (
     ScriptedBackend,
     make_char_tokenizer,
 )
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.sandbox import ExecResult
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.import_graph import PACKAGE, import_graph
 
 SANDBOX = PACKAGE / "sandbox"

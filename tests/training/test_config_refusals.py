@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from datasets import Dataset
-from helpers.testing_utils import trainer_for
 
+from helpers.testing_utils import trainer_for
 from retool_trl import ReToolConfig
 
 
@@ -53,42 +53,6 @@ def test_min_tokens_is_refused_with_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match=r"min_tokens.*each request") as error:
         ReToolConfig(output_dir=str(tmp_path), generation_kwargs={"min_tokens": 8}, report_to="none", use_cpu=True)
     assert "\n" not in str(error.value)
-
-
-# ------------------------------------------------------------------ importance sampling under truncated sampling
-def vllm_config(tmp_path, monkeypatch, **overrides):
-    """A `ReToolConfig` with `use_vllm=True`, as where vLLM is installed (this suite runs without it)."""
-    import importlib.util
-
-    from retool_trl import ReToolConfig
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
-    )
-    settings = dict(output_dir=str(tmp_path), use_vllm=True, report_to="none", use_cpu=True)
-    return ReToolConfig(**{**settings, **overrides})
-
-
-@pytest.mark.parametrize(
-    "sampling",
-    [{"top_p": 0.95}, {"top_k": 20}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}}],
-    ids=["top_p", "top_k", "min_p", "generation_kwargs"],
-)
-def test_truncated_sampling_with_vllm_importance_sampling_is_refused_in_one_line(tmp_path, monkeypatch, sampling):
-    """`top_p < 1`, `top_k > 0` or `min_p > 0` sampling on vLLM with TRL 1.16's importance-sampling correction (on by
-    default): vLLM's log-probs are renormalised over the kept tokens (`processed_logprobs`), the trainer's are not,
-    so each weight is the kept mass, not a correction (checked on a real distribution below). Before, the run
-    trained with biased weights; now the combination is refused in one line that names both fixes."""
-    with pytest.raises(ValueError) as error:
-        vllm_config(tmp_path, monkeypatch, **sampling)
-    message = str(error.value)
-    assert "\n" not in message and "vllm_importance_sampling_correction=False" in message and "top_p=1.0" in message
-    name = next(iter(sampling if "generation_kwargs" not in sampling else sampling["generation_kwargs"]))
-    assert f"{name}=" in message
-    # Either fix is accepted; so is truncation without vLLM (no importance weights at all).
-    vllm_config(tmp_path, monkeypatch, vllm_importance_sampling_correction=False, **sampling)
-    vllm_config(tmp_path, monkeypatch)
 
 
 def test_config_rejects_beams_typo_prompts_and_unbounded_length(tmp_path):

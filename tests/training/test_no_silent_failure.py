@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.failing_sandboxes import SCRIPTS, DownAfterProbe, closed_port
 from helpers.testing_utils import (
     PROBLEMS_ARGS,
@@ -23,7 +24,6 @@ from helpers.testing_utils import (
     trainer_for,
     write_problems,
 )
-
 from retool_trl.sandbox import ExecResult, LocalSandbox
 from retool_trl.testing import FakeSandbox
 from retool_trl.training.sandbox_health import SandboxUnavailableError

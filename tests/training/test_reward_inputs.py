@@ -3,13 +3,13 @@ their real length and kept out of the loss."""
 
 import pytest
 import torch
+
 from helpers.testing_utils import (
     FakeSandbox,
     make_char_tokenizer,
     record_rewards,
     trainer_for,
 )
-
 from retool_trl.rewards.functions import boxed_accuracy
 from retool_trl.rollout.batched import ROLLOUT_FIELDS
 from retool_trl.sandbox import ExecResult

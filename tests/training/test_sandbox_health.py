@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from helpers.failing_sandboxes import FailsFirst
 from helpers.scripted_turns import EOS, TOKENIZER, ids_of
-
 from retool_trl.rollout.batched import RolloutSpec
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 from datasets import Dataset
-from helpers.testing_utils import make_char_tokenizer
 
+from helpers.testing_utils import make_char_tokenizer
 from retool_trl.format.calls import MarkdownFormat
 from retool_trl.format.convert import to_markdown, to_tool_messages
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
@@ -69,7 +69,6 @@ def test_tool_call_sft_ids_are_the_rollouts():
     for SFT, is what the rollout builds when the policy makes those calls; assistant turns (their end-of-turn token
     included) are trained, the template's tool messages are not."""
     from helpers.qwen_vocab import qwen_tokenizer, tool_prompt, with_template
-
     from retool_trl.format.tool_calls import ToolCallFormat
 
     tokenizer = with_template(qwen_tokenizer(), "qwen2_5")
@@ -100,7 +99,6 @@ def test_tool_call_sft_ids_are_the_rollouts():
 def test_sft_command_refuses_an_unknown_format(tmp_path):
     """`retool-trl sft --call_format xml`: one line, the choices named."""
     from helpers.testing_utils import save_tiny_model
-
     from retool_trl.cli.sft import build_sft
     from retool_trl.errors import UserError
 

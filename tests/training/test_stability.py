@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-from helpers.testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, trainer_for
 
+from helpers.testing_utils import FakeSandbox, ScriptedBackend, make_char_tokenizer, record_rewards, trainer_for
 from retool_trl import ReToolConfig
 from retool_trl.rewards.functions import boxed_accuracy, tool_use_shaping
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout

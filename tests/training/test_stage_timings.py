@@ -273,7 +273,6 @@ def test_async_rollout_counts_a_slow_cell_alone_as_the_interpreters():
     interpreter alone for at least those 0.3 s; every call is counted once, its failure by kind. (How time overlapped
     by engine requests is left out is checked on a clock moved by hand, above.)"""
     from helpers.async_scripted import SCRIPTS, SPEC, TOKENIZER, AsyncScripted, ThreadSafeSandbox, prompts
-
     from retool_trl.rollout.per_completion import async_rollout
     from retool_trl.training.stage_clock import TimedSandbox, timed_engine
 

@@ -11,9 +11,9 @@ def test_without_code_training_is_grpotrainers_with_default_precision(tmp_path):
     in bf16 mixed precision; a ReTool run whose model writes no code must train exactly as `GRPOTrainer` (before:
     `ReToolConfig` chose fp32 there: largest parameter difference 0.029 here, 0.31 in the review's run)."""
     from datasets import Dataset
-    from helpers.testing_utils import make_char_tokenizer, save_tiny_model
     from trl import GRPOConfig, GRPOTrainer
 
+    from helpers.testing_utils import make_char_tokenizer, save_tiny_model
     from retool_trl import ReToolTrainer
 
     tokenizer = make_char_tokenizer()

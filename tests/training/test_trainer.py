@@ -3,6 +3,8 @@
 import pytest
 import torch
 from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
 from helpers.testing_utils import (
     MASK_LOSS_TYPES,
     TOOL_SCRIPTS,
@@ -12,8 +14,6 @@ from helpers.testing_utils import (
     ramp_reward,
     save_tiny_model,
 )
-from trl import GRPOConfig, GRPOTrainer
-
 from retool_trl import ReToolConfig, ReToolTrainer
 
 SCRIPTS = TOOL_SCRIPTS

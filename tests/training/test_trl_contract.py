@@ -5,9 +5,10 @@ import re
 
 import trl
 from datasets import Dataset
-from helpers.testing_utils import save_tiny_model
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
+
+from helpers.testing_utils import save_tiny_model
 
 
 def test_trl_version_is_in_the_tested_range():

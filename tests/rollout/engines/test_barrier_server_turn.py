@@ -7,10 +7,10 @@ from __future__ import annotations
 import types
 
 import pytest
+
 from helpers.scripted_turns import EOS, TOKENIZER, Script, ids_of
 from helpers.server_loops import run_loop
 from helpers.vllm_like_server import VLLMLikeServer
-
 from retool_trl.rollout.batched import RolloutSpec
 
 
@@ -117,8 +117,9 @@ def test_a_failed_request_in_a_barrier_server_turn_reaches_every_process(monkeyp
     server's) raised on the main process alone, and the other processes waited in that broadcast until the process
     group's timeout. Now the failure travels in the broadcast itself, and the error is raised after it, naming the
     server's answer (the recorded broadcast is what every other process receives)."""
-    import helpers.server_loops as server_loops
     import trl.generation.vllm_generation as vllm_generation
+
+    import helpers.server_loops as server_loops
     from helpers.server_loops import trl_server_helper
 
     sent = []

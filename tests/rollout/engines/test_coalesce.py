@@ -17,9 +17,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from helpers.scripted_turns import EOS, TOKENIZER, Script, ids_of
 from helpers.testing_utils import reply_json
-
 from retool_trl.rollout.batched import RolloutSpec
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.testing import FakeSandbox

@@ -10,9 +10,9 @@ import time
 import types
 
 import pytest
+
 from helpers.async_scripted import SCRIPTS, ThreadSafeSandbox
 from helpers.testing_utils import make_char_tokenizer
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_colocate import ColocateEngine
 from retool_trl.rollout.per_completion import async_rollout

@@ -5,8 +5,8 @@ from __future__ import annotations
 import types
 
 import pytest
-from helpers.scripted_turns import EOS, TOKENIZER, ids_of
 
+from helpers.scripted_turns import EOS, TOKENIZER, ids_of
 from retool_trl.rollout.batched import RolloutSpec
 from retool_trl.rollout.per_completion import EngineRequestError, async_rollout
 from retool_trl.testing import FakeSandbox

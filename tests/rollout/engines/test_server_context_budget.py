@@ -6,10 +6,10 @@ from __future__ import annotations
 import types
 
 import pytest
+
 from helpers.scripted_turns import EOS, TOKENIZER, Script, ids_of
 from helpers.server_loops import max_model_len_of, run_loop
 from helpers.vllm_like_server import VLLMLikeServer
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox
 
@@ -99,7 +99,6 @@ def test_a_failed_answer_about_the_context_limit_is_asked_again_not_kept_as_no_l
     context and the first full context stopped the run with HTTP 400. Now the question is asked again and the
     server's limit is used; a card that has no limit is the only answer kept as none."""
     from helpers.server_loops import max_model_len_of
-
     from retool_trl import trainer
 
     monkeypatch.setattr(trainer, "time", types.SimpleNamespace(sleep=lambda s: None), raising=False)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from helpers.scripted_turns import EOS, TOKENIZER, Script, ids_of
 from helpers.server_loops import run_loop
 from helpers.vllm_like_server import VLLMLikeServer
-
 from retool_trl.rollout.batched import RolloutSpec
 from retool_trl.rollout.per_completion import CompletionsEngine, EngineRequestError, async_rollout
 from retool_trl.rollout.turns import finish_turn

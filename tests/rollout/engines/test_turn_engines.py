@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+
 from helpers.scripted_turns import EOS, TOKENIZER, Script, ids_of
 from helpers.testing_utils import reply_json, trl_server_generation
-
 from retool_trl import ReToolConfig
 from retool_trl.rewards.functions import boxed_accuracy
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout

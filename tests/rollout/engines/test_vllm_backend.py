@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 from datasets import Dataset
+
 from helpers.testing_utils import (
     FakeSandbox,
     FakeVLLMGeneration,
@@ -12,7 +13,6 @@ from helpers.testing_utils import (
     make_bpe_tokenizer,
     make_char_tokenizer,
 )
-
 from retool_trl import ReToolConfig
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend, first_stop
@@ -80,7 +80,6 @@ def test_config_names_the_extra_when_vllm_is_missing(tmp_path):
 
 def test_trainer_uses_trl_vllm_helper_and_importance_sampling(tmp_path):
     from helpers.testing_utils import save_tiny_model
-
     from retool_trl import ReToolTrainer
 
     tokenizer = make_char_tokenizer(extra_chars="∑")

@@ -5,7 +5,6 @@ from helpers.testing_utils import (
     FakeVLLMGeneration,
     make_char_tokenizer,
 )
-
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend
 

@@ -10,8 +10,8 @@ import os
 import time
 
 import pytest
-from helpers.process_state import COMPUTE_BETWEEN_CALLS, process_cpu_s, process_state
 
+from helpers.process_state import COMPUTE_BETWEEN_CALLS, process_cpu_s, process_state
 from retool_trl.sandbox import LocalSandbox
 
 pytestmark = pytest.mark.timeout(180)
@@ -82,7 +82,6 @@ def test_self_inflicted_cpu_kill_is_scored_minus_one_through_the_rollout(sandbox
     """End to end: the same attack inside a rollout (which retries infrastructure errors once) and the reward
     `boxed_accuracy` gives it. A wrong answer stays -1: the attack cannot take its completion out of the loss."""
     from helpers.testing_utils import ScriptedBackend, make_char_tokenizer
-
     from retool_trl.rewards.functions import boxed_accuracy
     from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 

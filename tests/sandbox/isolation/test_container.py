@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.container_env import container_evidence
 
 pytestmark = pytest.mark.timeout(300)

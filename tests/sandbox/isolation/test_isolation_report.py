@@ -4,6 +4,7 @@ words for a normal user."""
 import os
 
 import pytest
+
 from helpers.cli_runs import REPO
 
 pytestmark = pytest.mark.timeout(300)

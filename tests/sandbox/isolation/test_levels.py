@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).resolve().parents[2] / "helpers" / "sandbox_levels_probe.py"
-AS_USER = ROOT / "scripts" / "as_normal_user.py"
+AS_USER = ROOT / "scripts" / "ci" / "as_normal_user.py"
 USER = 65534
 
 

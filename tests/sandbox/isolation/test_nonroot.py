@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+
 from helpers.container_env import setpriv_problem
 
 pytestmark = pytest.mark.timeout(120)

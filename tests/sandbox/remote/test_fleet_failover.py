@@ -19,7 +19,6 @@ def test_a_fleet_with_one_server_down_starts_on_the_others(fusion, monkeypatch):
     8 trainers in two runs of a real fleet), though the rollout's own retry would have moved to the other server.
     Now the probe, like the rollout, tries another fresh session, placed away from the server found down."""
     from helpers.failing_sandboxes import closed_port
-
     from retool_trl.sandbox.remote import client as remote_client
     from retool_trl.sandbox.remote.client import RemoteSandbox
     from retool_trl.training.sandbox_health import SandboxHealth

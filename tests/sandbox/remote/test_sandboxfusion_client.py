@@ -5,8 +5,8 @@ import email.utils
 import time
 
 import pytest
-from helpers.fake_sandboxfusion import serve_fake
 
+from helpers.fake_sandboxfusion import serve_fake
 from retool_trl.sandbox import RemoteSandbox, build_sandbox
 from retool_trl.sandbox.remote import client as remote_module
 

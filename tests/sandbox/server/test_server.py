@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
+
 from helpers.fake_sandboxfusion import serve_fake
 from helpers.sandbox_server_helpers import ServerProcess, alive, descendants
-
 from retool_trl.rollout.batched import _Row, run_cells
 from retool_trl.sandbox import RemoteSandbox
 

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from helpers.sandbox_server_helpers import ServerProcess
 
+from helpers.sandbox_server_helpers import ServerProcess
 from retool_trl.sandbox import RemoteSandbox
 
 pytest.importorskip("uvicorn", reason="the sandbox server needs the 'server' extra (starlette, uvicorn)")
