@@ -88,7 +88,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
         self._call_format = format_of(args).from_config(args, self._tokenizer)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
-        # tests/test_trl_contract.py instead.
+        # tests/training/test_trl_contract.py instead.
         self.rollout_func = self._retool_rollout
         if self.use_vllm:  # vLLM's CPU build needs its own reload API for the weight sync; elsewhere TRL's stays
             use_reload_weights_on_cpu(self.vllm_generation)

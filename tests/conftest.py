@@ -1,6 +1,14 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The tests' shared helpers are one package, `tests/helpers/`: `from helpers.testing_utils import ...` works from every
+# subject folder (pytest runs with --import-mode=importlib, which puts no test folder on sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers.skip_reasons import skip_reason_problem  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from testing_utils import make_char_tokenizer
+    from helpers.testing_utils import make_char_tokenizer
 
     return make_char_tokenizer()
 
@@ -20,19 +28,6 @@ def _few_threads():
     import torch
 
     torch.set_num_threads(1)
-
-
-# A skip reason is read in a list of them (`pytest -rs`): one short line naming what is missing, not a report dump.
-MAX_SKIP_REASON_CHARS = 240
-
-
-def skip_reason_problem(reason: str) -> str | None:
-    """Why a skip reason is not one short line, or None when it is."""
-    if "\n" in reason.strip():
-        return "a skip reason must be one line"
-    if len(reason) > MAX_SKIP_REASON_CHARS:
-        return f"a skip reason must be short ({len(reason)} > {MAX_SKIP_REASON_CHARS} characters)"
-    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -44,7 +44,7 @@ def quiet_openmp_waits() -> None:
     """OpenMP threads (torch's CPU threads) that wait for each other sleep instead of spinning, unless the user set
     `OMP_WAIT_POLICY`. Must run before torch loads. Spinning waiters burn the cores the thread they wait for needs: on
     a loaded 2-core machine the quickstart took 90 s of user CPU and 455 s of wall time with spinning waits, 15 s and
-    93 s with passive ones (`scripts/cpu_under_load.py`); on a quiet one, about the same either way."""
+    93 s with passive ones (`scripts/bench/cpu_under_load.py`); on a quiet one, about the same either way."""
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -46,7 +46,7 @@ def quickstart_model_path(name: str = "quickstart") -> str:
     folder = ASSETS / MODEL_ALIASES[name]
     if not (folder / "config.json").is_file():
         script = f"build_{'quickstart' if name == 'quickstart' else name.removeprefix('quickstart_')}_model.py"
-        raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/{script}`.")
+        raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/build/{script}`.")
     return str(folder)
 
 

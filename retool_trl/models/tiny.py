@@ -6,8 +6,8 @@ randomly initialised Qwen2, and a logits processor that makes a real model write
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer)  # ~0.7M parameters; `save_tiny_model(path, tokenizer)` writes a folder
 
-The quickstart checkpoint is built from these (`scripts/build_quickstart_model.py`). This module imports torch and
-transformers; `import retool_trl` does not import it.
+The quickstart checkpoint is built from these (`scripts/build/build_quickstart_model.py`). This module imports torch
+and transformers; `import retool_trl` does not import it.
 """
 
 from __future__ import annotations

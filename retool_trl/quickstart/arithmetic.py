@@ -1,8 +1,8 @@
 """The arithmetic quickstart: a tiny shipped model and a synthetic arithmetic task, one code call per answer.
 
 The shipped checkpoint (`retool_trl/assets/quickstart_model/`) is a ~0.67M-parameter Qwen2 with a character-level
-tokenizer, cold-started by SFT on synthetic traces (`scripts/build_quickstart_model.py` rebuilds it). It copies an
-expression into `<code>print(...)</code>` well, but calls code only on part of its samples and cannot do the
+tokenizer, cold-started by SFT on synthetic traces (`scripts/build/build_quickstart_model.py` rebuilds it). It copies
+an expression into `<code>print(...)</code>` well, but calls code only on part of its samples and cannot do the
 arithmetic in its head, which is what the quickstart's RL runs then show.
 """
 

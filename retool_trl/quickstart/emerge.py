@@ -1,10 +1,10 @@
 r"""The emergence quickstart: RL creates the habit of calling code, from a checkpoint that almost never does.
 
 The task is the arithmetic quickstart's (3x2-digit products, sums of three 4-digit numbers, `(a*b) % m`), but the
-shipped checkpoint (`retool_trl/assets/emerge_model/`, built by `scripts/build_emerge_model.py`) is the arithmetic
-quickstart's model cold-started further on traces of which only 2.5% call `<code>print(expr)</code>`: it can still
-copy an expression into code, but at T=1 it does so in about 2% of its answers and guesses the rest, almost always
-wrongly. GRPO with the interpreter finds the rare code samples among
+shipped checkpoint (`retool_trl/assets/emerge_model/`, built by `scripts/build/build_emerge_model.py`) is the
+arithmetic quickstart's model cold-started further on traces of which only 2.5% call `<code>print(expr)</code>`: it can
+still copy an expression into code, but at T=1 it does so in about 2% of its answers and guesses the rest, almost
+always wrongly. GRPO with the interpreter finds the rare code samples among
 a group's guesses, they are the ones rewarded, and the habit grows from there; the same GRPO without the interpreter
 has nothing to grow. Every run also records, per step, the code ratio and accuracy of its training samples and the
 step at which code use passed 50% (`step_code_ratio_passed_50`).

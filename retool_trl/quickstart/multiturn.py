@@ -5,8 +5,8 @@ The task (`retool_trl.data.synthetic`, "the multi-turn task") is `a*b+c*d+e*f` u
 single cell that solves a problem fits. A solution therefore needs two dependent cells, `a=<two products>` then
 `print(a+<third>)`, and the second works only because the session kept `a`.
 
-The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build_multiturn_model.py`) is the
-first quickstart's model cold-started further on traces of which half begin with a failing cell; 60% of those read
+The shipped checkpoint (`retool_trl/assets/multiturn_model/`, rebuilt by `scripts/build/build_multiturn_model.py`) is
+the first quickstart's model cold-started further on traces of which half begin with a failing cell; 60% of those read
 the error and correct it, the rest give up and guess. RL with the interpreter has to learn to solve in cells and to
 recover; RL without it cannot.
 """
@@ -52,7 +52,7 @@ class MultiturnTask:
             fails by itself, RL sees few failures, and its recovery from one drifts below the cold start's (seed 0:
             probe 58.6% -> 38.3%; with half the prompts starting from a failure, 58.6% -> 94.5%).
         architecture (`dict`): `build_tiny_model` sizes of a fresh model, for a build that does not start from the
-            first quickstart's checkpoint (`scripts/build_multiturn_model.py --init-from none`).
+            first quickstart's checkpoint (`scripts/build/build_multiturn_model.py --init-from none`).
     """
 
     max_cell_chars: int = field(default=MULTITURN_CELL_CHARS, metadata={"help": "Longest cell that runs."})

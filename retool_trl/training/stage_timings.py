@@ -16,7 +16,7 @@ of a [`StageClock`] (nested stages pause the enclosing one, so nothing is counte
 A step runs from the `on_step_begin` to the `on_step_end` callback; each stage is logged in seconds and as its share
 of the step (`retool/time/<stage>_share`), with the step's wall seconds (`retool/time/step`). The timings are the main
 process's (the one that logs). Their cost is a few clock reads per stage and a lock per sandbox call
-(`scripts/bench_stage_timings.py` measures it).
+(`scripts/bench/bench_stage_timings.py` measures it).
 """
 
 from __future__ import annotations

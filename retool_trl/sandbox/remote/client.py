@@ -6,8 +6,9 @@ A plain SandboxFusion service is stateless (every request is a fresh interpreter
 *successful* cells, with their output suppressed, before the new one. Cells that failed are not replayed: what the
 model saw as an error leaves no state behind, like a notebook whose failed cell was deleted. The program sent
 (`remote_driver.py`) runs the new cell as the local sandbox does, with the same limits, and reports one bounded JSON
-line: the model sees the same text, `ok` and `timed_out` from both backends (tests/test_sandbox_remote.py holds them to
-it, against a fake service that behaves like SandboxFusion where it matters).
+line: the model sees the same text, `ok` and `timed_out` from both backends
+(tests/sandbox/remote/test_sandboxfusion_client.py holds them to it, against a fake service that behaves like
+SandboxFusion where it matters).
 
 Why not the official `sandbox-fusion` client (0.3.7, read from its source): each call is a bare `requests.post` (a
 new connection, no custom headers, so no authentication, no connection limit) or a new `aiohttp` session; it retries

@@ -1,0 +1,132 @@
+"""The emergence quickstart's figures in docs/quickstart.md, from `scripts/results/quickstart_emerge.jsonl`.
+
+`scripts/experiments/quickstart_seeds.py --task emerge` appends one line per seed. The table uses, per seed, the newest
+line labelled `shipped` measured with the same settings as the newest such line (so a re-tuned recipe replaces the old
+seeds instead of mixing with them); the no-code control is the newest `no_code` line per seed. The plot
+(`quickstart_emerge_seeds.png`, the same drawing as a run folder's) is redrawn from the same lines.
+`scripts/render/render_figures.py` calls `blocks` and `draw`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import results_log  # noqa: E402
+
+BENCHMARK = "quickstart_emerge"
+PLOT = "quickstart_emerge_seeds.png"
+COMMAND = "python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0-4"
+
+
+def _chosen(directory: Path, label: str) -> list[tuple[int, dict]]:
+    """(line number, line) of the newest line per seed with `label`, all measured with the newest one's settings."""
+    lines = [(n, line) for n, line in enumerate(results_log.read(BENCHMARK, directory), 1) if line["label"] == label]
+    if not lines:
+        return []
+    settings = lines[-1][1]["settings"]
+    newest = {line["seed"]: (n, line) for n, line in lines if line["settings"] == settings}
+    return [newest[s] for s in sorted(newest)]
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _prob(value) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _count(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+ROWS = (
+    ("tool_rl", "held-out accuracy before", "accuracy_before", _pct),
+    ("tool_rl", "held-out accuracy after", "accuracy_after", _pct),
+    ("tool_rl", "held-out code ratio before", "code_ratio_before", _pct),
+    ("tool_rl", "held-out code ratio after", "code_ratio_after", _pct),
+    ("tool_rl", "P(first token is code), held-out prompts, before", "code_start_prob_before", _prob),
+    ("tool_rl", "P(first token is code), held-out prompts, after", "code_start_prob_after", _prob),
+    ("tool_rl", "training samples' code ratio passed 50% at step", "step_code_ratio_passed_50", _count),
+    ("text_rl", "held-out accuracy before", "accuracy_before", _pct),
+    ("text_rl", "held-out accuracy after", "accuracy_after", _pct),
+    ("text_rl", "held-out code ratio after (calls run; none can)", "code_ratio_after", _pct),
+    ("text_rl", "P(first token is code), held-out prompts, after", "code_start_prob_after", _prob),
+)
+
+
+def _provenance(chosen: list[tuple[int, dict]]) -> str:
+    notes = []
+    for n, line in chosen:
+        run = line["run"]
+        load = run.get("load_avg_before")
+        where = f"line {n} (seed {line['seed']}): {run.get('date', '')[:10]}, commit {run.get('commit') or 'unknown'}"
+        if run.get("dirty"):
+            where += " (with uncommitted changes)"
+        where += f", {run.get('cpu_count')} CPUs, load average before {load[0]:.1f}" if load else ""
+        after = run.get("load_avg_after")
+        where += f", after {after[0]:.1f}" if load and after else ""
+        notes.append(where)
+    return f"Source: `scripts/results/{BENCHMARK}.jsonl`, " + "; ".join(notes) + "."
+
+
+def _table(chosen: list[tuple[int, dict]], rows) -> str:
+    seeds = [line["seed"] for _, line in chosen]
+    out = ["| run | figure | mean | min | max | " + " | ".join(f"seed {s}" for s in seeds) + " |"]
+    out.append("|---" * (5 + len(seeds)) + "|")
+    for run, label, key, show in rows:
+        values = [line[run].get(key) if run else line.get(key) for _, line in chosen]
+        present = [v for v in values if v is not None]
+        stats = [sum(present) / len(present), min(present), max(present)] if present else [None] * 3
+        out.append(f"| {run or 'both'} | {label} | " + " | ".join(show(v) for v in stats + values) + " |")
+    return "\n".join(out)
+
+
+def blocks(directory: Path) -> dict[str, str]:
+    """`quickstart_emerge` (the five-seed table) and `quickstart_emerge_no_code` (the control)."""
+    shipped = _chosen(directory, "shipped")
+    rendered = {}
+    if shipped:
+        rows = (*ROWS, (None, "whole command, both runs (s)", "wall_s", _count))
+        rendered[BENCHMARK] = _table(shipped, rows) + "\n\n" + _provenance(shipped)
+    else:
+        rendered[BENCHMARK] = f"No run recorded yet: run `{COMMAND}`."
+    control = _chosen(directory, "no_code")
+    if control:
+        rows = (
+            ("tool_rl", "held-out code ratio before", "code_ratio_before", _pct),
+            ("tool_rl", "held-out code ratio after", "code_ratio_after", _pct),
+            ("tool_rl", "P(first token is code), held-out prompts, before", "code_start_prob_before", _prob),
+            ("tool_rl", "P(first token is code), held-out prompts, after", "code_start_prob_after", _prob),
+            ("tool_rl", "held-out accuracy after", "accuracy_after", _pct),
+            ("tool_rl", "training samples' code ratio passed 50% at step", "step_code_ratio_passed_50", _count),
+        )
+        highest = max(max(line["tool_rl"]["step_code_ratio"]) for _, line in control)
+        rendered[f"{BENCHMARK}_no_code"] = (
+            _table(control, rows)
+            + f"\n\nHighest code ratio of the training samples at any step: {highest:.1%}.\n\n"
+            + _provenance(control)
+        )
+    else:
+        rendered[f"{BENCHMARK}_no_code"] = "No no-code control recorded yet."
+    return rendered
+
+
+def draw(directory: Path) -> Path | None:
+    """Redraws `PLOT` from the chosen `shipped` lines (nothing when there are none)."""
+    from retool_trl.quickstart.emerge import plot_emergence
+
+    shipped = _chosen(directory, "shipped")
+    if not shipped:
+        return None
+    seeds = [line["seed"] for _, line in shipped]
+    steps = shipped[-1][1]["settings"].get("max_steps")
+    return plot_emergence(
+        {line["seed"]: line for _, line in shipped},
+        directory / PLOT,
+        f"emergence quickstart, seeds {','.join(map(str, seeds))}: tool_rl vs text_rl from the same checkpoint "
+        f"({steps} GRPO steps each)",
+        f"{COMMAND} on CPU, {shipped[-1][1]['run'].get('cpu_count')} cores (from {BENCHMARK}.jsonl)",
+    )
