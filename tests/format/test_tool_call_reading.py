@@ -106,3 +106,50 @@ def test_the_trainers_tokenizer_is_left_as_given(qwen):
     assert (
         getattr(tokenizer, "response_schema", None) is None and getattr(tokenizer, "response_template", None) is None
     )
+
+
+def test_rewards_reading_completions_see_every_turn(qwen, tmp_path):
+    """A reward that reads TRL's `completions` (as TRL's own rewards do) gets the whole completion: the answer the
+    model wrote before a verifying tool call, the tool's answer and the last turn. TRL once parsed it as one
+    assistant message (the format's response schema on the trainer's tokenizer), which kept the last turn only."""
+    from datasets import Dataset
+
+    from retool_trl import ReToolConfig, ReToolTrainer
+    from retool_trl.models.tiny import build_tiny_model
+
+    tokenizer = with_template(qwen, "qwen2_5")
+    script = f"The answer is \\boxed{{42}}. Let me verify.\n{call('print(6 * 7)')}<|im_end|>Verified."
+    seen = []
+
+    def answer_in_completion(completions, answer, **kwargs):
+        seen.extend(c[0]["content"] for c in completions)
+        return [float(f"\\boxed{{{a}}}" in c[0]["content"]) for c, a in zip(completions, answer)]
+
+    args = ReToolConfig(
+        output_dir=str(tmp_path),
+        call_format="tool_call",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=160,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        save_strategy="no",
+    )
+    rows = [{"prompt": [{"role": "user", "content": "What is 6*7?"}], "answer": "42"}] * 2
+    trainer = ReToolTrainer(
+        build_tiny_model(tokenizer, hidden_size=16, num_layers=1),
+        reward_funcs=[answer_in_completion],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        sandbox=FakeSandbox(),
+    )
+    trainer._make_generation_backend = lambda model: ScriptedBackend(tokenizer, [script, script], None)
+    trainer.train()
+    assert len(seen) == 2
+    for text in seen:
+        assert text.startswith("The answer is \\boxed{42}. Let me verify.") and text.endswith("Verified.")
+        assert "<tool_response>\n42\n" in text
