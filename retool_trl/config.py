@@ -26,6 +26,23 @@ def _truncated_sampling(args, generation_kwargs: dict) -> str | None:
     return ", ".join(f"{name}={values[name]}" for name, on in truncating.items() if on) or None
 
 
+# vLLM sampling parameters that reshape the distribution its log-probs are taken from (`generation_kwargs`).
+_RESHAPING_KWARGS = ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")
+
+
+def _reshaped_sampling(args, generation_kwargs: dict) -> str | None:
+    """The settings that change vLLM's sampling log-probs beyond the temperature (penalties, logit bias, banned or
+    allowed tokens; TRL asks vLLM for processed log-probs, taken after them), as `name=value` text; `None` if none.
+    The trainer's log-probs see the temperature only, so each token's ratio would carry the setting's factor."""
+    values = {
+        "repetition_penalty": generation_kwargs.get("repetition_penalty", getattr(args, "repetition_penalty", 1.0)),
+        **{name: generation_kwargs.get(name) for name in _RESHAPING_KWARGS},
+    }
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    changed = [name for name, value in values.items() if value not in (None, neutral.get(name), {}, [])]
+    return ", ".join(f"{name}={values[name]!r}" for name in changed) or None
+
+
 def _bf16_supported() -> bool:
     """Whether transformers would accept `bf16=True` without `use_cpu` (a bf16 GPU, or an XLA device)."""
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -196,6 +213,13 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                 "log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the whole "
                 "vocabulary, so every weight is scaled by the kept probability mass, not corrected); sample without "
                 "truncation (top_p=1.0, top_k=0, min_p=0.0) or set vllm_importance_sampling_correction=False."
+            )
+        reshaped = _reshaped_sampling(self, generation_kwargs)
+        if reshaped and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"ReToolConfig: {reshaped} with vllm_importance_sampling_correction biases the correction (vLLM's "
+                "log-probs are taken after the penalty or bias, the trainer's are not, so every weight carries its "
+                "factor); remove it or set vllm_importance_sampling_correction=False."
             )
         if generation_kwargs.get("num_return_sequences", 1) != 1:
             raise ValueError(

@@ -45,8 +45,8 @@ class ReToolOptions:
     max_tool_calls: int = field(
         default=8,
         metadata={
-            "help": "Maximum code executions per completion. After that, the code-end tag no longer triggers "
-            "execution. 0 disables the interpreter (text-only RL)."
+            "help": "Maximum interpreter calls per completion, in any call format. After that, a call is not "
+            "run. 0 disables the interpreter (text-only RL)."
         },
     )
     max_interpreter_output_chars: int = field(

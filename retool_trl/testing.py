@@ -35,9 +35,19 @@ class ScriptedBackend:
     interpreter tokens) are matched to their script by the sequence each one had at the end of its previous turn.
     """
 
-    def __init__(self, tokenizer, scripts: Sequence[str], code_end: str | None = "</code>", step_seconds: float = 0.0):
+    def __init__(
+        self,
+        tokenizer,
+        scripts: Sequence[str],
+        code_end: str | None = "</code>",
+        step_seconds: float = 0.0,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.code_end = code_end
+        # The ids a turn stops at, as the engines stop at every EOS id of the model's generation config (Llama 3.1:
+        # `<|eot_id|>` and `<|eom_id|>`); the tokenizer's EOS by default.
+        self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
         self.step_seconds = step_seconds
         self.script_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in scripts]
         self.cursor = [0] * len(scripts)
@@ -72,7 +82,7 @@ class ScriptedBackend:
                     break
                 emitted.append(ids[self.cursor[j]])
                 self.cursor[j] += 1
-                if emitted[-1] == self.tokenizer.eos_token_id and self.code_end is None:
+                if emitted[-1] in self.eos_token_ids and self.code_end is None:
                     break  # a turn the script ends itself (`tool_call`: the end of an assistant turn)
                 if stop and self.code_end and self.code_end in self.tokenizer.decode(emitted):
                     break

@@ -222,6 +222,17 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             unwrapped_model, self._tokenizer, self.generation_config, self._call_format.stop, self.eos_token_ids
         )
 
+    def _generate(self, prompts):
+        # Thin wrapper. Where the tokenizer has a response schema, TRL reads each conversational completion as ONE
+        # assistant message (`parse_response`), which keeps only the last turn of a multi-turn completion: rewards
+        # reading `completions` would miss an answer written before a tool call. Every completion reaches the reward
+        # functions whole, each turn and the interpreter's answers included, decoded as TRL decodes it without one.
+        output = super()._generate(prompts)
+        if prompts and isinstance(prompts[0], list):
+            texts = self.processing_class.batch_decode(output[1], skip_special_tokens=True)
+            output = (*output[:3], [[{"role": "assistant", "content": text}] for text in texts], *output[4:])
+        return output
+
     def _generate_and_score_completions(self, inputs):
         # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
         self._rollout_inputs = inputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 from ..errors import UserError
 
@@ -56,7 +57,9 @@ def resolve_model_path(name: str | None, option: str = "model_name_or_path") -> 
     path = resolve_model(name, option)
     if not os.path.exists(path):  # a hub id: one that cannot be fetched fails now, in seconds
         check_hub_reachable(path, option)
-    return path
+        return path
+    # Absolute: the path is recorded with the model (a LoRA adapter's base), and read again from other folders.
+    return os.path.abspath(path)
 
 
 def model_init_kwargs(model_args, config_kwargs) -> dict:
@@ -87,6 +90,71 @@ def resume_value(training_args):
     elif value and not os.path.isdir(value):
         raise UserError(f"resume_from_checkpoint: checkpoint folder {value!r} does not exist.")
     return value or None
+
+
+def given_options(argv: Sequence[str]) -> set[str]:
+    """The options set on the command line (`--name value`, `--name=value`, dashes or underscores) or in the
+    `--config` file."""
+    names = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    if "config" in names:
+        import yaml
+
+        args = list(argv)
+        at = next(i for i, arg in enumerate(args) if arg.split("=", 1)[0] == "--config")
+        path = args[at].split("=", 1)[1] if "=" in args[at] else args[at + 1]
+        with open(path) as handle:  # already read (and checked) by the parser
+            names |= set(yaml.safe_load(handle) or {})
+    return names
+
+
+def take_trained_prompt_settings(model_path: str, script_args, config, given: set[str]) -> dict:
+    """Prompts and interpreter as the model was trained: the settings a model saved by `retool-trl train` or `sft`
+    records (`retool_prompt.json`: call format, system prompt, tags, chat template arguments, prompt format, how the
+    interpreter answered) replace the defaults of the options not given (`given`). `script_args` holds
+    `prompt_format`, `config` the rest. Returns what was taken (and says so on one line)."""
+    from ..format.prompts import PROMPT_SETTINGS, read_prompt_settings
+
+    recorded = read_prompt_settings(model_path) if os.path.isdir(model_path) else {}
+    taken = {}
+    for name, value in recorded.items():
+        if name in given:
+            continue
+        if name == "prompt_format" and value in PROMPT_FORMAT_CHOICES:
+            taken[name] = script_args.prompt_format = value
+        elif name != "prompt_format" and hasattr(config, name) and value != getattr(config, name):
+            taken[name] = value
+            setattr(config, name, value)
+    if taken:
+        shown = ", ".join(f"{k}={v!r}" if len(repr(v)) < 40 else f"{k}=(as trained)" for k, v in taken.items())
+        print(f"Prompt settings as in training ({os.path.join(model_path, PROMPT_SETTINGS)}): {shown}", flush=True)
+    return taken
+
+
+def take_run_settings(argv: Sequence[str], script_args, config, run_args, model_path: str) -> dict:
+    """`retool-trl train` and `sft`: the settings the model was trained with, where the user did not set them.
+
+    A resumed run takes them from its checkpoint and keeps its call format: another one is refused in one line (the
+    checkpoint's model writes its own format, and the run's recorded format would be rewritten). A new run takes
+    them from the model folder (a cold-started model records the format it learnt). `config` holds `call_format`
+    and the rest, `script_args` the `prompt_format`, `run_args` (the trainer's config) `resume_from_checkpoint` and
+    `output_dir`. Returns what was taken (said on one line)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from ..format.prompts import read_prompt_settings
+
+    given = given_options(argv)
+    checkpoint = resume_value(run_args)
+    if checkpoint is True:
+        checkpoint = get_last_checkpoint(run_args.output_dir)
+    if checkpoint:
+        recorded = read_prompt_settings(checkpoint).get("call_format")
+        if recorded and "call_format" in given and recorded != config.call_format:
+            raise UserError(
+                f"resume_from_checkpoint: {checkpoint} was trained with call_format={recorded!r}, and this run sets "
+                f"{config.call_format!r}; a run keeps its call format: resume with call_format: {recorded}, or start "
+                "a new run in another output_dir."
+            )
+    return take_trained_prompt_settings(checkpoint or model_path, script_args, config, given)
 
 
 def data_prompt_format(prompt_format: str, tokenizer) -> str:

@@ -13,6 +13,7 @@ import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import UserError, one_line
 from ..reporting.output_folder import check_output_dir
@@ -22,9 +23,11 @@ from .common import (
     PROMPT_FORMAT_CHOICES,
     PROMPT_FORMAT_HELP,
     data_prompt_format,
+    given_options,
     report_prompt_format,
     resolve_model_path,
     short_model_name,
+    take_trained_prompt_settings,
 )
 from .help import help_all_argv, render_help, wants_help
 
@@ -76,6 +79,8 @@ SAMPLING_FIELDS = (
 PROMPT_FIELDS = ("chat_template_kwargs",)
 INTERPRETER_FIELDS = (
     "call_format",
+    "interpreter_errors",
+    "max_cell_chars",
     "code_start",
     "code_end",
     "interpreter_start",
@@ -181,43 +186,6 @@ def parse_eval_args(argv: Sequence[str]):
     return eval_args, config
 
 
-def given_options(argv: Sequence[str]) -> set[str]:
-    """The options set on the command line (`--name value`, `--name=value`, dashes or underscores) or in the
-    `--config` file."""
-    names = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
-    if "config" in names:
-        import yaml
-
-        args = list(argv)
-        at = next(i for i, arg in enumerate(args) if arg.split("=", 1)[0] == "--config")
-        path = args[at].split("=", 1)[1] if "=" in args[at] else args[at + 1]
-        with open(path) as handle:  # already read (and checked) by the parser
-            names |= set(yaml.safe_load(handle) or {})
-    return names
-
-
-def take_trained_prompt_settings(model_path: str, eval_args, config, given: set[str]) -> dict:
-    """Builds prompts as the model was trained: the prompt settings a model saved by `ReToolTrainer` records
-    (`retool_prompt.json`: system prompt, tags, chat template arguments, prompt format) replace the defaults of the
-    options not given. Returns what was taken (and says so on one line)."""
-    from ..format.prompts import PROMPT_SETTINGS, read_prompt_settings
-
-    recorded = read_prompt_settings(model_path) if os.path.isdir(model_path) else {}
-    taken = {}
-    for name, value in recorded.items():
-        if name in given:
-            continue
-        if name == "prompt_format" and value in PROMPT_FORMAT_CHOICES:
-            taken[name] = eval_args.prompt_format = value
-        elif name != "prompt_format" and hasattr(config, name) and value != getattr(config, name):
-            taken[name] = value
-            setattr(config, name, value)
-    if taken:
-        shown = ", ".join(f"{k}={v!r}" if len(repr(v)) < 40 else f"{k}=(as trained)" for k, v in taken.items())
-        print(f"Prompt settings as in training ({os.path.join(model_path, PROMPT_SETTINGS)}): {shown}")
-    return taken
-
-
 def take_format_defaults(eval_args, config, given: set[str]) -> dict:
     """The evaluation options the call format sets (`CallFormat.eval_defaults`) where neither the user nor the
     model's recorded settings did. Returns what was set (and says so on one line)."""
@@ -236,6 +204,33 @@ def take_format_defaults(eval_args, config, given: set[str]) -> dict:
     return taken
 
 
+def adapter_base(path: str) -> str:
+    """The base model of the LoRA adapter in `path`, as its `adapter_config.json` names it. A relative folder (written
+    by a run started from another working folder) is looked for from the adapter's folder up; a base that is neither
+    a folder here nor reachable on the hub fails in one line, not after the hub's retries."""
+    import json
+
+    from ..models.names import check_hub_reachable
+
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as handle:
+        base = json.load(handle).get("base_model_name_or_path") or ""
+    if os.path.isdir(base):
+        return base
+    folder = os.path.abspath(path)
+    for anchor in [folder, *(parent for parent in Path(folder).parents)]:
+        if not os.path.isabs(base) and os.path.isdir(os.path.join(anchor, base)):
+            return os.path.join(anchor, base)
+    looks_local = not base or os.path.isabs(base) or base.startswith(".") or base.count("/") > 1
+    if looks_local:
+        raise UserError(
+            f"the LoRA adapter in {path} was trained on the base model {base!r}, which is not a folder here: set "
+            f"base_model_name_or_path in {config_path} to the base model's folder."
+        )
+    check_hub_reachable(base, f"the base model of the LoRA adapter in {path}")
+    return base
+
+
 def load_eval_model(path: str, dtype: str):
     """The model to evaluate, in eval mode on the GPU when there is one; a LoRA folder is merged into its base."""
     import torch
@@ -243,9 +238,10 @@ def load_eval_model(path: str, dtype: str):
 
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
+        from peft import PeftModel
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs).merge_and_unload()
+        base = AutoModelForCausalLM.from_pretrained(adapter_base(path), **kwargs)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
@@ -277,7 +273,9 @@ def main(argv: Sequence[str]) -> int:
         model_path,
         fmt.written_tags(config),  # the tags the model itself writes
         eval_args.pad_token,
-        needs_chat_template=eval_args.prompt_format == "conversational" or fmt.needs_chat_template,
+        needs_chat_template=f"call_format={fmt.name!r}"
+        if fmt.needs_chat_template
+        else eval_args.prompt_format == "conversational",
     )
     fmt.from_config(config, tokenizer)  # a template the format cannot use (e.g. no tool calls): refused now
     dataset = load_problems(

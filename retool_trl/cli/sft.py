@@ -6,6 +6,7 @@ trained completion) or `prompt` + `completion` columns. Parsed like TRL's `trl s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from .common import (
     resume_value,
     set_console,
     short_model_name,
+    take_run_settings,
 )
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
@@ -175,12 +177,15 @@ def build_sft(argv: Sequence[str]):
     if sft_args.packing:
         raise UserError("packing: true is not supported for interpreter-masked traces; set packing: false.")
     resume_value(sft_args)  # checked now, before anything is loaded
+    take_run_settings(argv, script_args, script_args, sft_args, model_path)
     if not is_local_dataset(script_args.dataset_name):
         check_hub_id(script_args.dataset_name, "dataset", "dataset_name")  # typos fail here, before any hub call
     tags = Tags.from_config(script_args)
     call_format = script_args.call_format
     fmt = get_format(call_format)
-    tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
+    tokenizer = load_tokenizer(model_path, model_args.model_revision, False, sft_args.chat_template_path)
+    # Applied here, before the traces are tokenized with it; SFTTrainer would apply it again to the loaded tokenizer.
+    sft_args.chat_template_path = None
 
     def traces(split, max_samples):
         dataset = load_traces(
@@ -200,7 +205,7 @@ def build_sft(argv: Sequence[str]):
         model_path,
         fmt.written_tags(script_args),  # the tags the model itself will write
         sft_args.pad_token,
-        needs_chat_template=conversational or fmt.needs_chat_template,
+        needs_chat_template=f"call_format={fmt.name!r}" if fmt.needs_chat_template else conversational,
     )
     # A template the format cannot use (e.g. tool calls TRL cannot parse): refused now, in one line.
     fmt.from_config(script_args, tokenizer)
@@ -226,12 +231,36 @@ def build_sft(argv: Sequence[str]):
             raise UserError(one_line(error)) from None  # retool_trl.sft's messages about malformed traces
         raise
     set_console(trainer, script_args.console)
+    trainer.add_callback(_recorder(script_args))
     trainer.retool_run_info = {  # what `retool-trl plot` titles the run with (see `finish`)
         "command": "retool-trl sft",
         "model": short_model_name(model_path),
         "dataset": script_args.dataset_name,
     }
     return trainer
+
+
+def _recorder(script_args):
+    """A callback that records the call format, tags and system prompt the model was cold-started in
+    (`retool_prompt.json`) in each checkpoint and in the run folder, as `retool-trl train` does, so that `eval` and a
+    later `train` of that model use them."""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from ..format.prompts import write_prompt_settings
+
+    class RecordSettings(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                write_prompt_settings(
+                    os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"), script_args
+                )
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                write_prompt_settings(args.output_dir, script_args)
+
+    return RecordSettings()
 
 
 def main(argv: Sequence[str]) -> int:

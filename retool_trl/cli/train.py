@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trl.scripts.utils import ScriptArguments
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 from ..reporting.output_folder import check_output_dir
 from .common import (
     CHAT_TEMPLATE_PATH_HELP,
@@ -28,6 +28,7 @@ from .common import (
     resume_value,
     set_console,
     short_model_name,
+    take_run_settings,
 )
 from .help import help_all_argv, more_options, render_help, wants_help
 from .parser import parse_arguments
@@ -165,6 +166,11 @@ def build_train(argv: Sequence[str]):
         raise UserError("dataset_streaming is not supported by retool-trl train; set it to false.")
     reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     resume_value(training_args)  # checked now, before anything is loaded
+    if take_run_settings(argv, script_args, training_args, training_args, model_path):
+        try:  # the settings taken are checked as the config checks them
+            training_args._validate_retool_fields()
+        except ValueError as error:
+            raise UserError(one_line(error)) from None
     check_dataset_name(script_args.dataset_name, "dataset_name")  # typos fail here, before any hub call
     if script_args.eval_dataset_name:
         check_dataset_name(script_args.eval_dataset_name, "eval_dataset_name")
@@ -178,7 +184,9 @@ def build_train(argv: Sequence[str]):
         model_path,
         fmt.written_tags(training_args),  # the tags the model itself writes (other markers are the template's)
         script_args.pad_token,
-        needs_chat_template=script_args.prompt_format == "conversational" or fmt.needs_chat_template,
+        needs_chat_template=f"call_format={fmt.name!r}"
+        if fmt.needs_chat_template
+        else script_args.prompt_format == "conversational",
     )
 
     def problems(name, split, config_name, max_samples, seed):

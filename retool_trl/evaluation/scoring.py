@@ -238,7 +238,9 @@ def evaluate(
                 )
             scored = score_rollout(result, [answers[p] for p, _ in chunk], tags, eos_token_ids_of(model, tokenizer))
             for (p, s), record, ids in zip(chunk, scored, result.completion_ids):
-                record.update(problem=p, sample=s, completion=tokenizer.decode(ids, skip_special_tokens=True))
+                # As written, special tokens included: a chat template's turn markers (`<|im_end|>`, ...) show
+                # where the model's turns end and the interpreter's answers begin.
+                record.update(problem=p, sample=s, completion=tokenizer.decode(ids, skip_special_tokens=False))
                 records.append(record)
             bar.update(len(chunk))
     finally:
@@ -252,6 +254,10 @@ def evaluate(
             "top_k": args.top_k,
             "max_completion_length": args.max_completion_length,
             "max_tool_calls": args.max_tool_calls,
+            "call_format": args.call_format,
+            "interpreter_errors": args.interpreter_errors,
+            "max_cell_chars": args.max_cell_chars,
+            "max_interpreter_output_chars": args.max_interpreter_output_chars,
             "system_prompt": args.system_prompt,
             "seed": args.seed,
         }

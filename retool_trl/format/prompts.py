@@ -49,15 +49,25 @@ def add_system_prompt(prompt, system_prompt: str | None):
 # model builds them the same way without being told.
 PROMPT_SETTINGS = "retool_prompt.json"
 PROMPT_SETTING_FIELDS = ("system_prompt", "chat_template_kwargs", "call_format", *Tags.__dataclass_fields__)
+# How the interpreter answered in training: the model reads its results in this shape, so evaluation runs it so too.
+INTERPRETER_SETTING_FIELDS = (
+    "max_tool_calls",
+    "max_interpreter_output_chars",
+    "interpreter_truncation",
+    "interpreter_errors",
+    "max_cell_chars",
+)
 
 
 def write_prompt_settings(folder, args, dataset=None) -> None:
-    """Writes `folder/retool_prompt.json`: the prompt settings of `args` (a `ReToolConfig`) and the prompt format of
-    the training data (`conversational` or `plain`, from its first row; absent when it cannot be read ahead)."""
+    """Writes `folder/retool_prompt.json`: the prompt and interpreter settings of `args` (a `ReToolConfig`, or the
+    arguments of `retool-trl sft`: the fields it has) and the prompt format of the training data (`conversational` or
+    `plain`, from its first row; absent when it cannot be read ahead)."""
     import json
     from pathlib import Path
 
-    settings = {name: getattr(args, name, None) for name in PROMPT_SETTING_FIELDS}
+    fields = (*PROMPT_SETTING_FIELDS, *INTERPRETER_SETTING_FIELDS)
+    settings = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     try:
         first = dataset[0]["prompt"] if dataset is not None and len(dataset) else None
     except (TypeError, KeyError, IndexError):  # an IterableDataset, or no `prompt` column
@@ -85,6 +95,7 @@ def read_prompt_settings(folder) -> dict:
 
 
 __all__ = [
+    "INTERPRETER_SETTING_FIELDS",
     "PROMPT_SETTINGS",
     "SHIPPED_PROMPTS",
     "Tags",

@@ -15,6 +15,7 @@ shown why as that call's result.
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -26,6 +27,9 @@ from .prompts import Tags
 from .registry import register_format
 
 TOOL_NAME = "code_interpreter"
+# Llama 3.1: `code_interpreter` is its built-in tool, called as `<|python_tag|>` + code + `<|eom_id|>`.
+PYTHON_TAG = "<|python_tag|>"
+END_OF_MESSAGE = "<|eom_id|>"
 CODE_TOOL = {
     "type": "function",
     "function": {
@@ -129,7 +133,9 @@ class ToolCallFormat(ToolProse, CallFormat):
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
         from trl.chat_template_utils import add_response_schema, is_chat_template_prefix_preserving
 
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        # A copy: the response schema set below is this format's; on the trainer's own tokenizer it would change how
+        # TRL decodes completions (one assistant message, the last turn only) and be saved with the model.
+        tokenizer = copy.copy(getattr(tokenizer, "tokenizer", tokenizer))
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(
                 "call_format='tool_call' needs a tokenizer with a chat template that renders tool calls: use the "
@@ -155,7 +161,10 @@ class ToolCallFormat(ToolProse, CallFormat):
             )
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.turn_end_id = tokenizer.eos_token_id
+        # Where an assistant turn's calls are read: its end-of-turn token, and Llama 3.1's end-of-message token,
+        # which ends a turn that waits for a tool's answer (its built-in python tool and JSON calls).
+        eom = tokenizer.convert_tokens_to_ids(END_OF_MESSAGE) if END_OF_MESSAGE in tokenizer.get_vocab() else None
+        self.turn_end_ids = frozenset(i for i in (tokenizer.eos_token_id, eom) if i is not None)
         self.markers = _call_markers(tokenizer)
         self.guarded = tuple(sorted(set(tokenizer.get_added_vocab()) | set(self.markers)))
         self.kept_texts = ()  # the template's special tokens are not the model's prose
@@ -168,12 +177,21 @@ class ToolCallFormat(ToolProse, CallFormat):
 
         parsed = parse_response(self.tokenizer, list(turn_ids), prefix=list(prefix_ids), tools=TOOLS)
         calls = [_read_call(call) for call in parsed.get("tool_calls") or []]
-        text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
-        attempted = max((text.count(marker) for marker in self.markers), default=0)
+        body = list(turn_ids[:-1]) if turn_ids and turn_ids[-1] in self.turn_end_ids else list(turn_ids)
+        text = remove_first_spans(self.tokenizer.decode(body, skip_special_tokens=False), _THINKING)
+        blocks = [block for marker in self.markers for block in _marked_blocks(text, marker)]
+        if len(blocks) > len(calls):
+            # TRL's parser reads a turn with one malformed call as plain text, valid calls beside it included: read
+            # the calls block by block, so each valid one runs and each malformed one is the model's error. A marker
+            # inside the thinking is not a call (it is text about one).
+            return [_read_block(block) for block in blocks]
+        if not calls and PYTHON_TAG in text:
+            # Llama 3.1's built-in python tool (`code_interpreter`): raw code after the tag (or a JSON call).
+            code = text.split(PYTHON_TAG, 1)[1]
+            return [_read_block(code) if code.lstrip().startswith("{") else Call(code.strip("\n"))]
         if not self.markers and not calls and text.lstrip().startswith('{"name"'):
-            attempted = 1  # a bare JSON call (no markers) that did not parse
-        missing = attempted - len(calls)
-        return calls + [Call(None, _UNPARSED)] * max(missing, 0)
+            return [_read_block(text)]  # a bare JSON call TRL did not read (e.g. one ended by `<|eom_id|>`)
+        return calls
 
     def clean(self, output: str) -> str:
         return clean_output(output, self.guarded)
@@ -204,6 +222,30 @@ _UNPARSED = (
     f'Error: the tool call could not be read. Call the tool `{TOOL_NAME}` with a JSON object {{"code": "<python>"}} '
     "as its arguments."
 )
+
+
+# Reasoning spans (Qwen3, DeepSeek-R1 style templates): what is written there is text, never a call.
+_THINKING = (("<think>", "</think>"),)
+
+
+def _marked_blocks(text: str, marker: str) -> list[str]:
+    """The text of each call opened by `marker` (Qwen: `<tool_call>`), up to its closing marker (`</tool_call>`),
+    the next call or the end of the turn."""
+    closing = f"</{marker[1:]}" if marker.startswith("<") else None
+    pieces = text.split(marker)[1:]
+    return [piece.split(closing, 1)[0] if closing else piece for piece in pieces]
+
+
+def _read_block(block: str) -> Call:
+    """One call's JSON (`{"name": ..., "arguments": ...}`), read on its own."""
+    try:
+        call = json.loads(block.strip())
+    except ValueError:
+        return Call(None, _UNPARSED)
+    if not isinstance(call, dict):
+        return Call(None, _UNPARSED)
+    arguments = call.get("arguments", call.get("parameters"))  # Llama 3.1 writes `parameters`
+    return _read_call({"function": {"name": call.get("name"), "arguments": arguments}})
 
 
 def _read_call(call: dict) -> Call:

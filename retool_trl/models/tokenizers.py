@@ -19,7 +19,7 @@ def check_tokenizer(
     source: str,
     tags: Mapping[str, str] | None = None,
     pad_token: str | None = None,
-    needs_chat_template: bool = False,
+    needs_chat_template: bool | str = False,
 ) -> None:
     """Checks (and where asked, fixes) a tokenizer before any model is loaded.
 
@@ -29,7 +29,8 @@ def check_tokenizer(
         tags (`dict`, *optional*): `{config field: tag}`; each must encode and decode back to itself without unknown
             tokens, and survive `skip_special_tokens=True` (TRL decodes completions that way).
         pad_token (`str`, *optional*): Set as pad token if the tokenizer has none.
-        needs_chat_template (`bool`): Conversational prompts need a chat template.
+        needs_chat_template (`bool` or `str`): A chat template is needed: by conversational prompts (`True`), or
+            by what the string names (a call format that renders its calls with the template).
 
     Raises:
         UserError: naming the tokenizer, the offending tag or token, and the fix.
@@ -51,9 +52,15 @@ def check_tokenizer(
             )
         tokenizer.pad_token = pad_token
     if needs_chat_template and not getattr(tokenizer, "chat_template", None):
+        if isinstance(needs_chat_template, str):  # plain prompts would not help: the calls themselves need it
+            raise UserError(
+                f"the tokenizer of {source} has no chat template, which {needs_chat_template} needs: give one with "
+                "`--chat_template_path` (a .jinja file such as TRL's trl/chat_templates/qwen2_5.jinja, or a model "
+                "whose tokenizer has one)."
+            )
         raise UserError(
-            f"the tokenizer of {source} has no chat template, which conversational prompts need: set "
-            "`prompt_format: plain`, or use a model whose tokenizer has a chat template."
+            f"the tokenizer of {source} has no chat template, which conversational prompts need: give one with "
+            "`--chat_template_path` (a .jinja file or a model whose tokenizer has one), or set `prompt_format: plain`."
         )
     unk = tokenizer.unk_token_id
     # Code is cut out of decoded text and run: a tokenizer that loses characters (e.g. whitespace) breaks it.

@@ -75,6 +75,14 @@ class CompactProgressCallback(ProgressCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
             super().on_step_end(args, state, control, **kwargs)
+        elif state.is_world_process_zero and state.global_step == 1 and (args.logging_steps or 0) > 1:
+            # Without a terminal, the first line would wait for the first log: say the run is moving, and when.
+            seconds = time.perf_counter() - self._last[0]
+            print(
+                f"step 1/{state.max_steps} {seconds:.1f} s | next line at step {int(args.logging_steps)}",
+                file=self.stream,
+                flush=True,
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:

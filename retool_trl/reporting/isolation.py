@@ -40,13 +40,13 @@ def record_isolation(sandbox, folder: str | Path | None) -> dict:
         report = isolation_of(sandbox)
     except Exception:  # noqa: BLE001 - a sandbox that cannot start: the command's own check says why, in full
         return {}
-    where = "LocalSandbox().isolation_report()['missing']"
+    where = "LocalSandbox().isolation_report()['missing']" if report.get("missing") else "isolation_report()"
     if folder is not None:
         path = Path(folder) / ISOLATION_FILE
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=2) + "\n")
-            where = f"{path} ('missing')"
+            where = f"{path} ('missing')" if report.get("missing") else str(path)
         except OSError as error:
             logger.warning("could not write %s (%s)", path, error.strerror or error)
     summary = report.get("summary") or f"isolation level {report.get('isolation')}."

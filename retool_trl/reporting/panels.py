@@ -70,8 +70,8 @@ RUN_PANELS = (
         held_out="calls_per_completion",
     ),
     Panel(
-        "code errors and timeouts",
-        "code calls (%)",
+        "failed calls and timeouts",
+        "interpreter calls (%)",
         (_line("error", "retool/error_rate"), _line("timeout", "retool/timeout_rate")),
         percent=True,
     ),

@@ -93,19 +93,21 @@ def boxed_accuracy(
     for i, completion in enumerate(completions):
         text = model_text[i] if model_text is not None else None
         correct.append(is_correct(completion, answer[i], text, tags))
+    unscored = [bool(infra_failed and drop_infra_failures and infra_failed[i]) for i in range(len(correct))]
     if log_metric is not None and num_tool_calls is not None:
-        with_code = [c for c, n in zip(correct, num_tool_calls) if n > 0]
-        without_code = [c for c, n in zip(correct, num_tool_calls) if n == 0]
-        if correct:  # the fraction correct, whatever the reward values (the progress line and plots show it)
-            log_metric("retool/accuracy", sum(correct) / len(correct))
+        # Over the scored completions only: one whose sandbox failed (not the model's fault) is left unscored.
+        scored = [(c, n) for c, n, skip in zip(correct, num_tool_calls, unscored) if not skip]
+        with_code = [c for c, n in scored if n > 0]
+        without_code = [c for c, n in scored if n == 0]
+        log_metric("retool/unscored", float(sum(unscored)))
+        if scored:  # the fraction correct, whatever the reward values (the progress line and plots show it)
+            log_metric("retool/accuracy", sum(c for c, _ in scored) / len(scored))
         if with_code:
             log_metric("retool/accuracy_with_code", sum(with_code) / len(with_code))
         if without_code:
             log_metric("retool/accuracy_without_code", sum(without_code) / len(without_code))
     rewards = [float(correct_reward) if c else float(incorrect_reward) for c in correct]
-    if infra_failed is not None and drop_infra_failures:
-        rewards = [None if failed else r for r, failed in zip(rewards, infra_failed)]
-    return rewards
+    return [None if skip else r for r, skip in zip(rewards, unscored)]
 
 
 def boxed_accuracy_and_recovery(

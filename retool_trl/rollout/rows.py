@@ -66,7 +66,7 @@ class Row:
         truncated = not ended and self.budget(spec) <= 0
         calls: list[Call] = []
         if fmt.calls_at_turn_end:  # the calls come with the end of the assistant turn (its end-of-turn token)
-            if ended and not out.finished and out.token_ids[-1] == fmt.turn_end_id:
+            if ended and not out.finished and out.token_ids[-1] in fmt.turn_end_ids:
                 calls = fmt.calls(out.token_ids, prefix)
         elif not ended and not truncated and (split := fmt.split(text)) is not None:
             call_text, self.carry = split  # what the stop's last token carried belongs to the next turn

@@ -98,6 +98,10 @@ class SandboxWrapper:
         sandbox: The wrapped backend (`session()`, `run_many()`, `close()`; `reserve()` where it has one).
     """
 
+    # A wrapper that counts or times the calls through it (the step's metrics); checks of the sandbox's own health
+    # go around it, so they are not counted as calls of the step.
+    observes_calls = False
+
     def __init__(self, sandbox):
         self.sandbox = sandbox
 

@@ -116,7 +116,7 @@ class SandboxHealth:
         """
         if uses_code and not self.probed:
             self.probed = True
-            problem = probe(sandbox.sandbox if isinstance(sandbox, WatchedSandbox) else sandbox)
+            problem = probe(_unobserved(sandbox))
             url = getattr(sandbox, "url", None)  # a remote service: say which one to look at
             if problem is not None and isinstance(url, str):
                 problem += f"; check that the code execution service at {url} is running and reachable"
@@ -131,7 +131,7 @@ class SandboxHealth:
         with self._lock:
             calls, failed, reason = self.calls, self.failed, self.reason
         all_failed = uses_code and calls > 0 and failed == calls
-        if all_failed and probe(sandbox.sandbox if isinstance(sandbox, WatchedSandbox) else sandbox) is None:
+        if all_failed and probe(_unobserved(sandbox)) is None:
             all_failed = False  # the sandbox runs code again: the failures were a passing burst, not an outage
             logger.warning(
                 "all %d sandbox calls of a rollout failed for the sandbox's own reasons, but it runs code again; "
@@ -156,6 +156,14 @@ class SandboxHealth:
                 calls,
                 reason,
             )
+
+
+def _unobserved(sandbox):
+    """`sandbox` without the wrappers that watch or count its calls: a probe is not a call of the rollout, neither
+    in the watch's failure count nor in the step's interpreter metrics and time."""
+    while isinstance(sandbox, WatchedSandbox) or getattr(type(sandbox), "observes_calls", False):
+        sandbox = sandbox.sandbox
+    return sandbox
 
 
 def probe(sandbox) -> str | None:

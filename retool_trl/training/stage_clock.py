@@ -205,6 +205,8 @@ class TimedSandbox(SandboxWrapper):
     """A sandbox whose calls are counted by a [`BusyTracker`] and a [`CallStats`]; everything else is the wrapped
     backend's. The innermost local sandbox also tells `stats` how long each call waited (its `call_observer`)."""
 
+    observes_calls = True
+
     def __init__(self, sandbox, tracker: BusyTracker, stats: CallStats):
         super().__init__(sandbox)
         self.tracker, self.stats = tracker, stats
