@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from helpers.qwen_vocab import qwen_tokenizer, with_template
 
+from helpers.qwen_vocab import qwen_tokenizer, with_template
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
 from retool_trl.testing import FakeSandbox, ScriptedBackend

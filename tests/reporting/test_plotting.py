@@ -80,7 +80,7 @@ def test_plot_of_a_quickstart_folder(quickstart_dir, figures, capsys):
     assert "tool_rl" in title and "text_rl" in title and "quickstart_model" in title and "seed 7" in title
     drawn = panels(fig)
     assert {"reward", "accuracy", "code ratio", "interpreter calls", "completion length"} <= set(drawn)
-    assert "code errors and timeouts" not in drawn  # always 0: nothing to read
+    assert "failed calls and timeouts" not in drawn  # always 0: nothing to read
     assert "loss" not in drawn  # a GRPO run's loss says little
     for ax in drawn.values():
         assert ax.get_ylabel(), ax.get_title()
