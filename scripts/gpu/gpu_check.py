@@ -12,6 +12,9 @@
    and then continues freely up to `max_completion_length`.
 4. Rollout throughput: the interleaved rollout against plain `generate` of as many tokens per row on the same model
    (EOS suppressed), alternated; both rates and the ratio of per-token times.
+5. A few `ReToolTrainer` steps in `call_format="tool_call"` on the same model and chat template: the prompt carries
+   the `code_interpreter` tool, each rollout is forced to write one tool call as Qwen2.5 writes it, which must be
+   read, run and answered by a `tool` message, and then an answer; losses and `retool/*` metrics.
 
 The last line of stdout is one JSON object (also written to `--out`). `--device cpu --shape tiny` runs the same
 path end to end on a CPU in a few minutes. Run through `scripts/gpu_check.sh`, which installs the wheels first.
@@ -71,6 +74,13 @@ SHAPES = {
 }
 QUESTION = "What is 1234 * 5678 + 9? Put the final answer in \\boxed{}."
 SCRIPT = "I will compute it.<code>x = 1234 * 5678\nprint(x)</code>Now add 9.<code>print(x + 9)</code>"
+# The same computation as one Qwen2.5-style tool call (its turn ends with the forced end-of-turn token), then an
+# answer.
+TOOL_CALL_TURNS = (
+    'I will compute it.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1234 * 5678 + 9)"}}'
+    "\n</tool_call>",
+    "So the answer is \\boxed{7006661}.",
+)
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -81,7 +91,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="ReToolTrainer steps.")
     parser.add_argument("--repeats", type=int, default=2, help="Alternated rollout/generate timings.")
     parser.add_argument("--max-completion-length", type=int, default=None, help="Default: the shape's.")
-    parser.add_argument("--skip", default="", help="Comma-separated sections to skip: mask,kv,train,throughput.")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="Comma-separated sections to skip: mask_gradient,kv_reuse,train,throughput,tool_call.",
+    )
     parser.add_argument("--out", default=None, help="Also write the JSON object to this file.")
     args = parser.parse_args()
     args.shape = args.shape or ("qwen2.5-1.5b" if args.device == "cuda" else "tiny")
@@ -241,13 +255,14 @@ def make_sandbox(args):
 
 
 # ------------------------------------------------------------------------------------------- 3. training steps
-def build_trainer(cli, shape: dict, tmp: Path):
+def build_trainer(cli, shape: dict, tmp: Path, call_format: str = "tags"):
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import LogitsProcessorList
 
     from helpers.testing_utils import ramp_reward
     from retool_trl import ReToolConfig, ReToolTrainer
+    from retool_trl.data.prompt_ids import tokenize_prompts
     from retool_trl.models.tiny import ScriptForcingProcessor, script_turns
     from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 
@@ -271,6 +286,7 @@ def build_trainer(cli, shape: dict, tmp: Path):
         gradient_checkpointing=True,
         beta=0.0,
         seed=0,
+        call_format=call_format,
     )
     sandbox, isolation = make_sandbox(args)
     messages = [{"role": "user", "content": QUESTION}]
@@ -289,16 +305,22 @@ def build_trainer(cli, shape: dict, tmp: Path):
         ),
         sandbox=sandbox,
     )
-    # Every row has the same prompt (the trainer's own tokenisation of it): force two code cells, then let it write.
-    prompt_ids = trainer._tokenize_prompts(trainer._with_system_prompt([messages]))[0][0]
-    turns = {tuple(prompt_ids): [*script_turns(tokenizer, SCRIPT)[:-1], *[None] * 8]}
+    # Every row has the same prompt (the trainer's own tokenisation of it): force two code cells, then let it write;
+    # in `tool_call`, one tool call then the answer (a turn is counted by the tool responses inserted before it).
+    prompt_ids = tokenize_prompts(tokenizer, [messages], args)[0]
+    if call_format == "tool_call":
+        turn_mark = "<tool_response>"
+        scripted = [tokenizer(turn, add_special_tokens=False)["input_ids"] for turn in TOOL_CALL_TURNS]
+    else:
+        turn_mark, scripted = args.code_end, [*script_turns(tokenizer, SCRIPT)[:-1], *[None] * 8]
+    turns = {tuple(prompt_ids): scripted}
     trainer._make_generation_backend = lambda unwrapped: TransformersBackend(
         unwrapped,
         tokenizer,
         trainer.generation_config,
-        args.code_end,
+        trainer._call_format.stop,
         trainer.eos_token_ids,
-        logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer)]),
+        logits_processor=lambda: LogitsProcessorList([ScriptForcingProcessor(turns, tokenizer, turn_mark)]),
     )
     return trainer, tokenizer, sandbox, isolation, messages
 
@@ -333,6 +355,27 @@ def run_training(trainer, timers: Timers, device: str) -> dict:
     if device == "cuda":
         report["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         report["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    return report
+
+
+# ------------------------------------------------------------------------------------------- 5. tool calls
+def run_tool_call(cli, shape: dict, tmp: Path) -> dict:
+    """A few steps in `call_format="tool_call"`: every completion's forced call is read, runs without error, and
+    its answer comes back as a tool message before the model answers."""
+    cli = copy.copy(cli)  # room for the call (one token per character with the tiny shape's merges) and its answer
+    cli.max_completion_length = max(cli.max_completion_length or shape["max_completion_length"], 256)
+    trainer, _, sandbox, _, _ = build_trainer(cli, shape, tmp / "tool_call", call_format="tool_call")
+    try:
+        report = run_training(trainer, Timers(cli.device), cli.device)
+    finally:
+        sandbox.close()
+    metrics = report["retool_metrics"]
+    report["calls_read"] = (
+        report["loss_finite"]
+        and metrics.get("retool/code_ratio") == 1.0
+        and metrics.get("retool/calls_per_completion") == 1.0
+        and metrics.get("retool/error_rate") == 0.0
+    )
     return report
 
 
@@ -451,6 +494,8 @@ def main() -> None:
         finally:
             if sandbox is not None:
                 sandbox.close()
+    if "tool_call" not in skip:
+        section("tool_call", run_tool_call, cli, shape, tmp)
 
     train, kv, mask = result.get("train") or {}, result.get("kv_reuse") or {}, result.get("mask_gradient") or {}
     result["ok"] = not result["errors"] and all(
@@ -458,6 +503,7 @@ def main() -> None:
             mask.get("zero", "mask_gradient" in skip),
             kv.get("fp32_exact", "kv_reuse" in skip),
             train.get("loss_finite", "train" in skip) and train.get("retool_metrics_present", "train" in skip),
+            (result.get("tool_call") or {}).get("calls_read", "tool_call" in skip),
         ]
     )
     result["wall_s"] = round(time.perf_counter() - started, 1)

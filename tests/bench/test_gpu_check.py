@@ -59,6 +59,8 @@ def test_cpu_run_emits_the_json_line(tmp_path):
     assert train["retool_metrics"]["retool/calls_per_completion"] == 2.0  # both forced cells ran in the sandbox
     assert train["retool_metrics"]["retool/error_rate"] == 0.0
     assert len(train["rollout_s"]) == len(train["sandbox_s"]) == 1
+    tool_call = result["tool_call"]  # a tool call in Qwen2.5's format, read, run and answered, on the same model
+    assert tool_call["calls_read"] and tool_call["retool_metrics"]["retool/calls_per_completion"] == 1.0
     throughput = result["throughput"]
     assert throughput["plain_tokens"] == throughput["rollout_tokens"]  # the same number of tokens per row
     assert throughput["rollout_tokens_per_s"] > 0 and throughput["plain_generate_tokens_per_s"] > 0
