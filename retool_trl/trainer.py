@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import time
 import warnings
@@ -25,20 +24,20 @@ from trl.models import unwrap_model_for_generation
 
 from .config import ReToolConfig
 from .data.prompt_ids import tokenize_prompts
-from .errors import UserError
 from .format.parsing import with_system_prompt
 from .format.prompts import write_prompt_settings
 from .format.registry import format_of
 from .models.names import resolve_model
 from .models.tokenizers import declares_generic_tokenizer, load_tokenizer
-from .rewards.functions import BUILTIN_REWARDS, bind_config, boxed_accuracy, is_correct, tool_use_shaping
+from .rewards.functions import bind_config, boxed_accuracy, is_correct
 from .rollout.batched import RolloutResult, RolloutSpec, interleaved_rollout
 from .rollout.engines.transformers_generate import TransformersBackend
 from .rollout.engines.vllm_batched import VLLMBackend, use_reload_weights_on_cpu
 from .rollout.engines.vllm_colocate import ColocateEngine
-from .rollout.engines.vllm_server import server_engine_from_config
+from .rollout.engines.vllm_server import async_applies, served_max_model_len, server_engine_from_config, server_url
 from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
+from .training.inputs import check_answer_column, check_chat_template, with_shaping
 from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
@@ -79,12 +78,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
                 raise ValueError(
                     f"ReToolTrainer runs its own code-interpreter rollout; `{conflicting}` is not supported."
                 )
-        reward_funcs = _with_shaping(reward_funcs if reward_funcs is not None else [boxed_accuracy], args)
+        reward_funcs = with_shaping(reward_funcs if reward_funcs is not None else [boxed_accuracy], args)
         datasets = [kwargs.get("train_dataset"), kwargs.get("eval_dataset"), *pos[:2]]  # by keyword or position
-        _check_answer_column(reward_funcs, *datasets)
+        check_answer_column(reward_funcs, *datasets)
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        _check_chat_template(self.processing_class, datasets, model)
+        check_chat_template(self.processing_class, datasets, model)
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
         self._call_format = format_of(args).from_config(args, self._tokenizer)
         # Set after __init__: TRL's constructor warns that `rollout_func` is experimental; the seam is pinned by
@@ -129,7 +128,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         spec = RolloutSpec.from_config(
             self.args, self.eos_token_ids, self._engine_max_model_len(), call_format=self._call_format
         )
-        if self.use_vllm and self.args.rollout_mode == "async" and _async_applies(self.vllm_generation):
+        if self.use_vllm and self.args.rollout_mode == "async" and async_applies(self.vllm_generation):
             if self.vllm_generation.mode == "server" and self.accelerator.num_processes > 1:
                 # As TRL's own server path (its `gather_object` of the prompts): no process sends a request before
                 # the main process has pushed the new weights and reset the server's prefix cache (`sync_weights`).
@@ -174,7 +173,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         if self.vllm_generation.mode == "colocate":
             return ColocateEngine(self.vllm_generation, self._tokenizer, self._call_format.stop)
         return server_engine_from_config(
-            self.args, self._tokenizer, self.vllm_generation, _server_url(self.args), self._engine_max_model_len()
+            self.args, self._tokenizer, self.vllm_generation, server_url(self.args), self._engine_max_model_len()
         )
 
     def _engine_max_model_len(self) -> int | None:
@@ -194,9 +193,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
                 limit = self.vllm_generation.llm.llm_engine.model_config.max_model_len
             self._max_model_len = limit or self.args.vllm_max_model_length
             return self._max_model_len
-        url, problem = f"{_server_url(self.args)}/v1/models", None
+        url, problem = f"{server_url(self.args)}/v1/models", None
         for attempt in range(3):
-            problem = _served_max_model_len(url)
+            problem = served_max_model_len(url)
             if not isinstance(problem, str):
                 self._max_model_len = problem
                 if problem is None:
@@ -341,86 +340,3 @@ def _checkpointing_alias_quiet():
             "ignore", message=r".*`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
         )
         yield
-
-
-def _check_chat_template(processing_class, datasets, model) -> None:
-    """Conversational prompts need a chat template: say so when the trainer is built, not at the first step."""
-    from trl.data_utils import is_conversational
-
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if getattr(tokenizer, "chat_template", None) or getattr(processing_class, "chat_template", None):
-        return
-    for dataset in datasets:
-        if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "column_names"):
-            continue  # an IterableDataset (or a dict of datasets) is not read ahead
-        if len(dataset) and "prompt" in dataset.column_names and is_conversational(dataset[0]):
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "the model")
-            raise UserError(
-                f"the dataset's prompts are conversations but the tokenizer of {name} has no chat template: load "
-                "the data as plain text (`prompt_format='plain'`, e.g. `load_math_dataset(name, "
-                "prompt_format='plain')`) or use a model whose tokenizer has a chat template."
-            )
-
-
-def _async_applies(vllm_generation) -> bool:
-    """Whether the async rollout can drive this vLLM setup: the server, or a colocated engine of this process alone
-    (with tensor parallelism the engine is shared by several processes, whose calls are collective: barrier)."""
-    mode = getattr(vllm_generation, "mode", None)
-    return mode == "server" or (mode == "colocate" and getattr(vllm_generation, "tensor_parallel_size", 1) == 1)
-
-
-def _server_url(args) -> str:
-    if args.vllm_server_base_url:
-        return args.vllm_server_base_url
-    host = args.vllm_server_host
-    if host in ("0.0.0.0", "::", ""):
-        # A server listening on every interface, where TRL's main process reaches it (its own host): the launcher's
-        # MASTER_ADDR, so that processes on other nodes reach it too; this host when run without a launcher.
-        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    if ":" in host and not host.startswith("["):  # an IPv6 address goes in brackets in a URL
-        host = f"[{host}]"
-    return f"http://{host}:{args.vllm_server_port}"
-
-
-def _served_max_model_len(url: str) -> int | None | str:
-    """The `max_model_len` of the first model on a vLLM server's `/v1/models` (`url`), `None` when its card has
-    none, or the problem (a string) when the server did not answer with a card."""
-    import httpx
-
-    try:
-        reply = httpx.get(url, timeout=30.0)
-        reply.raise_for_status()
-        limit = reply.json()["data"][0].get("max_model_len")
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return int(limit) if limit else None
-
-
-def _check_answer_column(reward_funcs, *datasets) -> None:
-    """The built-in rewards score against an `answer` column: fail now, naming it, rather than at the first step."""
-    needing = [func.__name__ for func in reward_funcs if func in BUILTIN_REWARDS]
-    if not needing:
-        return
-    for dataset in datasets:
-        for split, data in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
-            columns = getattr(data, "column_names", None)
-            if columns is not None and "answer" not in columns:
-                where = "a dataset" if split is None else f"the eval dataset {split!r}"
-                raise ValueError(
-                    f"The reward {needing[0]!r} (boxed_accuracy is the default when reward_funcs=None) needs an "
-                    f"`answer` column with the gold answers, but {where} has only the columns {sorted(columns)}: "
-                    "rename the column that holds them to `answer`, or pass your own reward_funcs."
-                )
-
-
-def _with_shaping(reward_funcs, args: ReToolConfig) -> list:
-    """Adds `tool_use_shaping` to the reward functions when `tool_use_bonus` > 0."""
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if args.tool_use_bonus <= 0 or tool_use_shaping in funcs:
-        return funcs
-    if args.reward_weights is not None:
-        raise ValueError(
-            "ReToolConfig.tool_use_bonus > 0 adds the reward `tool_use_shaping`, but reward_weights is set: add "
-            "`retool_trl.rewards.tool_use_shaping` to reward_funcs (and its weight) yourself."
-        )
-    return [*funcs, tool_use_shaping]

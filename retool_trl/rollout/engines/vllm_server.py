@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -301,4 +302,44 @@ def server_engine_from_config(
     )
 
 
-__all__ = ["CompletionsEngine", "sampling_from_vllm", "server_engine_from_config"]
+def async_applies(vllm_generation) -> bool:
+    """Whether the async rollout can drive this vLLM setup: the server, or a colocated engine of this process alone
+    (with tensor parallelism the engine is shared by several processes, whose calls are collective: barrier)."""
+    mode = getattr(vllm_generation, "mode", None)
+    return mode == "server" or (mode == "colocate" and getattr(vllm_generation, "tensor_parallel_size", 1) == 1)
+
+
+def server_url(args) -> str:
+    """The URL of the vLLM server a `ReToolConfig` names (`vllm_server_base_url`, or host and port)."""
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url
+    host = args.vllm_server_host
+    if host in ("0.0.0.0", "::", ""):
+        # A server listening on every interface, where TRL's main process reaches it (its own host): the launcher's
+        # MASTER_ADDR, so that processes on other nodes reach it too; this host when run without a launcher.
+        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if ":" in host and not host.startswith("["):  # an IPv6 address goes in brackets in a URL
+        host = f"[{host}]"
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+def served_max_model_len(url: str) -> int | None | str:
+    """The `max_model_len` of the first model on a vLLM server's `/v1/models` (`url`), `None` when its card has
+    none, or the problem (a string) when the server did not answer with a card."""
+    try:
+        reply = httpx.get(url, timeout=30.0)
+        reply.raise_for_status()
+        limit = reply.json()["data"][0].get("max_model_len")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return int(limit) if limit else None
+
+
+__all__ = [
+    "CompletionsEngine",
+    "async_applies",
+    "sampling_from_vllm",
+    "served_max_model_len",
+    "server_engine_from_config",
+    "server_url",
+]
