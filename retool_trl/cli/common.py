@@ -113,12 +113,18 @@ def take_trained_prompt_settings(model_path: str, script_args, config, given: se
     interpreter answered) replace the defaults of the options not given (`given`). `script_args` holds
     `prompt_format`, `config` the rest. Returns what was taken (and says so on one line)."""
     from ..format.prompts import PROMPT_SETTINGS, read_prompt_settings
+    from ..format.registry import FORMAT_NAMES
 
     recorded = read_prompt_settings(model_path) if os.path.isdir(model_path) else {}
     taken = {}
     for name, value in recorded.items():
         if name in given:
             continue
+        if name == "call_format" and value not in FORMAT_NAMES:  # e.g. a plugin's format not installed here
+            raise UserError(
+                f"{os.path.join(model_path, PROMPT_SETTINGS)} records call_format={value!r}, which is not a call "
+                f"format here ({', '.join(FORMAT_NAMES)}): install the package that provides it, or set --call_format."
+            )
         if name == "prompt_format" and value in PROMPT_FORMAT_CHOICES:
             taken[name] = script_args.prompt_format = value
         elif name != "prompt_format" and hasattr(config, name) and value != getattr(config, name):

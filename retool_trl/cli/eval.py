@@ -238,9 +238,24 @@ def load_eval_model(path: str, dtype: str):
 
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import PeftModel
+        from peft import PeftConfig, PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(adapter_base(path), **kwargs)
+        # As peft's AutoPeftModelForCausalLM loads it, with the base found by `adapter_base`: the base's revision,
+        # and its embeddings grown to the adapter's tokenizer when tokens were added in training.
+        base_path, revision = adapter_base(path), PeftConfig.from_pretrained(path).revision
+        try:
+            base = AutoModelForCausalLM.from_pretrained(base_path, revision=revision, **kwargs)
+        except OSError as error:
+            raise UserError(
+                f"the base model {base_path!r} of the LoRA adapter in {path} could not be loaded ({one_line(error)}): "
+                f"set base_model_name_or_path in {os.path.join(path, 'adapter_config.json')} to its folder."
+            ) from None
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            size = len(AutoTokenizer.from_pretrained(path))
+            if size > base.get_input_embeddings().weight.shape[0]:
+                base.resize_token_embeddings(size)
         model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

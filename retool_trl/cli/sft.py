@@ -183,9 +183,14 @@ def build_sft(argv: Sequence[str]):
     tags = Tags.from_config(script_args)
     call_format = script_args.call_format
     fmt = get_format(call_format)
-    tokenizer = load_tokenizer(model_path, model_args.model_revision, False, sft_args.chat_template_path)
-    # Applied here, before the traces are tokenized with it; SFTTrainer would apply it again to the loaded tokenizer.
-    sft_args.chat_template_path = None
+    template = sft_args.chat_template_path
+    if template and template.endswith((".jinja", ".j2")) and os.path.isfile(template):
+        # A template file is applied here, before the traces are tokenized with it (SFTTrainer would apply it again).
+        # Another model's template stays TRL's to clone: it also adds that template's tokens to the model.
+        tokenizer = load_tokenizer(model_path, model_args.model_revision, False, template)
+        sft_args.chat_template_path = None
+    else:
+        tokenizer = load_tokenizer(model_path, model_args.model_revision, False)
 
     def traces(split, max_samples):
         dataset = load_traces(

@@ -69,7 +69,8 @@ class CallFormat:
 
     # --- the rollout
     stop: str | None = None
-    calls_at_turn_end = False
+    calls_at_turn_end = False  # calls read when an assistant turn ends (at one of `turn_end_ids`), not at `stop`
+    turn_end_ids: frozenset[int] = frozenset()  # the tokens that end such a turn
     kept_texts: tuple[str, ...] = ()  # strings kept in the model's text even where a tokenizer makes them special
     spans: tuple[tuple[str, str], ...] = ()  # (start, end) of what is not the model's prose: calls and results
     guarded: tuple[str, ...] = ()  # strings printed output must not contain (they could close a result or open a call)
@@ -102,8 +103,10 @@ class CallFormat:
             return None
         return template.format(**vars(tags))
 
-    def calls(self, call_text):
-        """The calls a finished turn carries (list of `Call`)."""
+    def calls(self, *turn):
+        """The calls a finished turn carries (list of `Call`): `calls(call_text)` for a format that stops at `stop`
+        (the text up to and with it), `calls(turn_ids, prefix_ids)` for one read at the end of a turn (the turn's
+        token ids with its end token, and the ids before it)."""
         raise NotImplementedError
 
     def result_ids(self, tokenizer, outputs: list[list[str]]) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """The one registry of call formats: the config's and the command line's choices, their validation, their help and
-the docs' formats table all come from here.
+the docs' formats table all come from here (the choices and validation at each use; the help text lists the formats
+registered when the command line's options are defined, built-ins and entry-point plugins).
 
 `register_format` refuses, when the class is registered, a format that would fail later: a name already taken, a
 missing summary or docs cell, or a shipped system prompt the format does not word for itself (a model told to write
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from .calls import CallFormat
 from .prompts import SHIPPED_PROMPTS, Tags
 
+logger = logging.getLogger(__name__)
 _FORMATS: dict[str, type[CallFormat]] = {}
 _DESCRIBED_BY = ("summary", "writes", "answered_by", "stops_at")
 # Formats other packages declare (`[project.entry-points."retool_trl.call_formats"]`), loaded at the first lookup.
@@ -32,13 +34,10 @@ def _formats() -> dict[str, type[CallFormat]]:
         for entry in entry_points(group=ENTRY_POINT_GROUP):
             try:
                 cls = entry.load()
+                if getattr(cls, "name", None) not in _FORMATS:
+                    register_format(cls)
             except Exception as error:  # noqa: BLE001 - one broken plugin must not hide the built-in formats
-                logging.getLogger(__name__).warning(
-                    "call format plugin %s could not be loaded: %s", entry.value, error
-                )
-                continue
-            if getattr(cls, "name", None) not in _FORMATS:
-                register_format(cls)
+                logger.warning("call format plugin %s could not be loaded: %s", entry.value, error)
     return _FORMATS
 
 

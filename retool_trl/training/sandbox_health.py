@@ -116,7 +116,8 @@ class SandboxHealth:
         """
         if uses_code and not self.probed:
             self.probed = True
-            problem = probe(_unobserved(sandbox))
+            with _unobserved(sandbox) as inner:
+                problem = probe(inner)
             url = getattr(sandbox, "url", None)  # a remote service: say which one to look at
             if problem is not None and isinstance(url, str):
                 problem += f"; check that the code execution service at {url} is running and reachable"
@@ -131,7 +132,11 @@ class SandboxHealth:
         with self._lock:
             calls, failed, reason = self.calls, self.failed, self.reason
         all_failed = uses_code and calls > 0 and failed == calls
-        if all_failed and probe(_unobserved(sandbox)) is None:
+        recovered = False
+        if all_failed:
+            with _unobserved(sandbox) as inner:
+                recovered = probe(inner) is None
+        if recovered:
             all_failed = False  # the sandbox runs code again: the failures were a passing burst, not an outage
             logger.warning(
                 "all %d sandbox calls of a rollout failed for the sandbox's own reasons, but it runs code again; "
@@ -158,12 +163,24 @@ class SandboxHealth:
             )
 
 
+@contextlib.contextmanager
 def _unobserved(sandbox):
-    """`sandbox` without the wrappers that watch or count its calls: a probe is not a call of the rollout, neither
-    in the watch's failure count nor in the step's interpreter metrics and time."""
+    """`sandbox` without what watches or counts its calls: a probe is not a call of the rollout, neither in the
+    watch's failure count nor in the step's interpreter metrics and time. The wrappers that count are left out, and
+    the backend's own observer (the local sandbox tells it each call's waits and fresh jails) is off meanwhile."""
     while isinstance(sandbox, WatchedSandbox) or getattr(type(sandbox), "observes_calls", False):
         sandbox = sandbox.sandbox
-    return sandbox
+    backend = sandbox
+    while isinstance(backend, SandboxWrapper):
+        backend = backend.sandbox
+    observer = getattr(backend, "call_observer", None)
+    if observer is not None:
+        backend.call_observer = None
+    try:
+        yield sandbox
+    finally:
+        if observer is not None:
+            backend.call_observer = observer
 
 
 def probe(sandbox) -> str | None:

@@ -110,3 +110,15 @@ def test_a_missing_lora_base_is_one_line_without_the_hub(tmp_path, monkeypatch):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "./gone/tiny"}))
     with pytest.raises(UserError, match="trained on the base model './gone/tiny', which is not a folder here"):
         adapter_base(str(tmp_path))
+
+
+def test_a_recorded_format_unknown_here_is_one_line(tmp_path):
+    """A model trained with a plugin's format, evaluated where the plugin is not installed."""
+    from types import SimpleNamespace
+
+    from retool_trl.cli.common import take_trained_prompt_settings
+
+    (tmp_path / PROMPT_SETTINGS).write_text(json.dumps({"call_format": "json_block"}))
+    config = SimpleNamespace(call_format="tags")
+    with pytest.raises(UserError, match="records call_format='json_block', which is not a call format here"):
+        take_trained_prompt_settings(str(tmp_path), SimpleNamespace(prompt_format="auto"), config, set())

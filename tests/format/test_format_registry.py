@@ -108,3 +108,24 @@ def test_the_docs_formats_table_is_the_registrys():
     table = re.search(r"^\| format \| the model writes \|.*?(?=\n\n)", text, re.S | re.M)
     assert table is not None, "docs/configuration.md has no call formats table"
     assert table.group(0) == formats_table(), "regenerate it from retool_trl.format.registry.formats_table()"
+
+
+def test_a_broken_plugin_leaves_the_built_in_formats_working(monkeypatch, caplog):
+    """A third-party format declared as an entry point that cannot be registered (here: not a format class) is
+    one warning; the config, the command line and the built-in formats go on."""
+    import importlib.metadata
+
+    from retool_trl.format import registry
+
+    class Entry:
+        value = "broken_plugin:NotAFormat"
+
+        def load(self):
+            return object
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [Entry()] if group else [])
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        assert get_format("markdown").name == "markdown"
+    assert "broken_plugin:NotAFormat could not be loaded" in caplog.text
+    assert list(FORMAT_NAMES) == ["tags", "tool_call", "markdown"]

@@ -14,6 +14,7 @@ from datasets import Dataset
 
 from retool_trl import ReToolConfig, ReToolTrainer
 from retool_trl.rewards.functions import bind_config, boxed_accuracy
+from retool_trl.sandbox import LocalSandbox
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 
@@ -38,7 +39,10 @@ def test_accuracy_leaves_out_unscored_completions_and_counts_them():
     }
 
 
-def test_the_health_probe_is_not_a_call_of_the_step(tmp_path):
+@pytest.mark.parametrize("backend", ["fake", "local"])
+def test_the_health_probe_is_not_a_call_of_the_step(tmp_path, backend):
+    """With the real local sandbox too, whose own observer reports each call's waits and fresh jails to the step's
+    metrics: the probe's cold start was once counted there (three fresh jails for two calls)."""
     rows = [{"prompt": "What is 6*7?", "answer": "42"}] * 2
     args = ReToolConfig(
         output_dir=str(tmp_path),
@@ -53,14 +57,19 @@ def test_the_health_probe_is_not_a_call_of_the_step(tmp_path):
         beta=0.0,
         save_strategy="no",
     )
-    sandbox = FakeSandbox()
+    sandbox = FakeSandbox() if backend == "fake" else LocalSandbox(num_workers=1, timeout_s=10.0)
     trainer = ReToolTrainer("quickstart", args=args, train_dataset=Dataset.from_list(rows), sandbox=sandbox)
     script = "<code>print(6*7)</code>So \\boxed{42}."
     trainer._make_generation_backend = lambda model: ScriptedBackend(trainer.processing_class, [script, script])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        sandbox.close()
     log = next(entry for entry in trainer.state.log_history if "loss" in entry)
-    assert sum(sandbox.batches) == 3  # the probe ran: it is what this test is about
+    if backend == "fake":
+        assert sum(sandbox.batches) == 3  # the probe ran: it is what this test is about
     assert log["retool/calls_per_completion"] == 1.0 and log["retool/interpreter/calls"] == 2.0
+    assert log["retool/interpreter/fresh_jails"] <= 2.0
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ def test_host_0000_connects_every_node_to_the_main_process_host(monkeypatch):
         (None, "::1", "http://[::1]:8000"),
     ],
 )
-def test_an_ipv6_master_addr_gives_a_validserver_url(monkeypatch, master_addr, host, url):
+def test_an_ipv6_master_addr_gives_a_valid_server_url(monkeypatch, master_addr, host, url):
     """A cluster whose launcher sets an IPv6 `MASTER_ADDR` (IPv6-only nodes): the server URL puts the address in
     brackets (before: `http://fd00::12:8000`, which httpx reads as host `fd00` with a bad port)."""
 
