@@ -99,7 +99,8 @@ def boxed_accuracy(
         scored = [(c, n) for c, n, skip in zip(correct, num_tool_calls, unscored) if not skip]
         with_code = [c for c, n in scored if n > 0]
         without_code = [c for c, n in scored if n == 0]
-        log_metric("retool/unscored", float(sum(unscored)))
+        if infra_failed is not None:  # the rollout says which completions the sandbox failed
+            log_metric("retool/unscored", float(sum(unscored)))
         if scored:  # the fraction correct, whatever the reward values (the progress line and plots show it)
             log_metric("retool/accuracy", sum(c for c, _ in scored) / len(scored))
         if with_code:
