@@ -161,6 +161,35 @@ class ReToolOptions:
             "the sampled proportion. 1 disables it. Needs whole groups on each process and an `answer` column."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop groups whose rewards all match (zero advantage), and groups "
+            "outside the accuracy band if one is set, and roll out more prompts until the generation batch is full "
+            "or dynamic_sampling_max_rounds is reached (a capped step trains on what it has)."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={
+            "help": "Dynamic sampling: most rollout rounds (the first included) per generation batch; after that "
+            "the step trains on what it has, filled up with dropped groups, and logs retool/dynamic_sampling/capped."
+        },
+    )
+    dynamic_sampling_min_accuracy: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dynamic sampling: also drop groups whose share of correct answers is below this (SimpleTIR's "
+            "band; needs an `answer` column). None: no lower bound."
+        },
+    )
+    dynamic_sampling_max_accuracy: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dynamic sampling: also drop groups whose share of correct answers is above this (SimpleTIR's "
+            "band; needs an `answer` column). None: no upper bound."
+        },
+    )
     tool_use_bonus: float = field(
         default=0.0,
         metadata={
@@ -205,7 +234,15 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "sandbox_allow_root_without_isolation",
     ),
     "rewards": ("correct_reward", "incorrect_reward", "tool_use_bonus"),
-    "stability": ("filter_void_turns", "roc_oversample", "drop_infra_failures"),
+    "stability": (
+        "filter_void_turns",
+        "roc_oversample",
+        "dynamic_sampling",
+        "dynamic_sampling_max_rounds",
+        "dynamic_sampling_min_accuracy",
+        "dynamic_sampling_max_accuracy",
+        "drop_infra_failures",
+    ),
 }
 
 __all__ = ["OPTION_GROUPS", "SANDBOX_BACKENDS", "TRUNCATION_SIDES", "ReToolOptions"]

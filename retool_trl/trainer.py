@@ -39,6 +39,7 @@ from .rollout.engines.vllm_colocate import ColocateEngine
 from .rollout.engines.vllm_server import server_engine_from_config
 from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
+from .training.dynamic_sampling import DynamicSampling
 from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
@@ -98,6 +99,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         self._rollout_inputs: list[dict] = []
         self._dropped: list[bool] = []
         self._roc_rng = random.Random(args.seed)
+        self._dynamic_sampling = _dynamic_sampling(self)
+        self._round_rewards: torch.Tensor | None = None  # the last scoring's rewards over all processes
+        self._round_correct: list[bool] = []  # ...and, for the accuracy band, this process's correct answers
 
     # ----------------------------------------------------------------------------------------------- sandbox
     @property
@@ -234,6 +238,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         return output
 
     def _generate_and_score_completions(self, inputs):
+        if self._dynamic_sampling is not None and self.model.training:
+            # Drops groups with nothing to learn and scores more prompts in their place (`training.dynamic_sampling`).
+            return self._dynamic_sampling.fill(inputs, self._score_completions)
+        return self._score_completions(inputs)
+
+    def _score_completions(self, inputs):
         # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
         self._rollout_inputs = inputs
         with _checkpointing_alias_quiet():
@@ -256,6 +266,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             # leaves them out of the group baseline. Rewards are gathered over processes, so is the flag.
             failed = torch.tensor([bool(x.get("infra_failed")) for x in inputs], device=rewards.device)
             rewards[self.accelerator.gather(failed)] = torch.nan
+        self._round_rewards = rewards
         return rewards
 
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
@@ -277,6 +288,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
+        if self._dynamic_sampling is not None and self._dynamic_sampling.uses_band and mode == "train":
+            pairs = zip(self._rollout_inputs, result.model_text, strict=True)
+            self._round_correct = [is_correct(None, row["answer"], text, self._call_format) for row, text in pairs]
         metrics = rollout_metrics(result, self.accelerator.gather, self.accelerator.device)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
@@ -341,6 +355,30 @@ def _checkpointing_alias_quiet():
             "ignore", message=r".*`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
         )
         yield
+
+
+def _dynamic_sampling(trainer) -> DynamicSampling | None:
+    """The dynamic sampler of `trainer` (`None` when `dynamic_sampling` is off); refuses training sets it cannot
+    draw more prompts from."""
+    args = trainer.args
+    if not args.dynamic_sampling:
+        return None
+    data = trainer.train_dataset
+    if data is None:
+        return DynamicSampling(trainer)  # evaluation only: never used
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        raise ValueError(
+            "ReToolConfig.dynamic_sampling draws more prompts by index and needs a map-style training dataset; "
+            "load it without streaming or set dynamic_sampling=False."
+        )
+    sampler = DynamicSampling(trainer)
+    columns = getattr(data, "column_names", None)
+    if sampler.uses_band and columns is not None and "answer" not in columns:
+        raise ValueError(
+            "ReToolConfig.dynamic_sampling_min_accuracy / dynamic_sampling_max_accuracy judge answers against an "
+            f"`answer` column, but the training dataset has only {sorted(columns)}: add it or unset the band."
+        )
+    return sampler
 
 
 def _check_chat_template(processing_class, datasets, model) -> None:

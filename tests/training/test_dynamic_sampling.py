@@ -1,0 +1,218 @@
+"""Dynamic sampling: groups with nothing to learn are dropped and more prompts are scored in their place."""
+
+import logging
+
+import pytest
+import torch
+
+from helpers.testing_utils import make_char_tokenizer, trainer_for
+from retool_trl import ReToolConfig
+from retool_trl.testing import ScriptedBackend
+from retool_trl.training.dynamic_sampling import concatenate, outside_band, take_rows, uniform_groups
+
+TOKENIZER = make_char_tokenizer()
+METRICS = ("groups_dropped", "rounds", "zero_std_ratio", "capped")
+RIGHT, WRONG = "\\boxed{42}", "\\boxed{0}"
+
+
+def script_for(prompt: str, position: int) -> str:
+    """What the scripted model writes for the `position`-th sequence of a rollout (groups are 4 in a row):
+    `easy` prompts are all right (a zero-variance group), `hard` half right, `most` three quarters right."""
+    if "easy" in prompt:
+        return RIGHT
+    if "most" in prompt:
+        return WRONG if position % 4 == 3 else RIGHT
+    return RIGHT if position % 2 == 0 else WRONG
+
+
+class ByPrompt:
+    """A `ScriptedBackend` whose scripts are chosen from the prompts of its first call (each rollout builds one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.inner = tokenizer, None
+
+    def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
+        if self.inner is None:
+            prompts = [self.tokenizer.decode(seq) for seq in sequences]
+            self.inner = ScriptedBackend(self.tokenizer, [script_for(p, i) for i, p in enumerate(prompts)])
+        return self.inner.generate_turn(sequences, max_new_tokens, stop_at_code_end)
+
+
+def rows(*kinds: str) -> list[dict]:
+    """Dataset rows, one per kind (`"easy 1"`, `"hard"`, ...), each a distinct dict as a dataloader gives."""
+    return [{"prompt": f"{kind}:", "answer": "42"} for kind in kinds]
+
+
+def group(kind: str) -> list[dict]:
+    return rows(*[kind] * 4)
+
+
+def sampling_trainer(tmp_path, dataset_kinds, **overrides):
+    from datasets import Dataset
+
+    values = dict(per_device_train_batch_size=8, dynamic_sampling=True)
+    values.update(overrides)
+    trainer = trainer_for(tmp_path, [], dataset=Dataset.from_list(rows(*dataset_kinds)), **values)
+    trainer._make_generation_backend = lambda model: ByPrompt(TOKENIZER)
+    return trainer
+
+
+def trained_prompts(output) -> list[str]:
+    return [TOKENIZER.decode(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+
+
+def logged(trainer) -> dict:
+    return {name: trainer._metrics["train"][f"retool/dynamic_sampling/{name}"] for name in METRICS}
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+def test_uniform_groups_are_dropped_and_refilled_from_new_prompts(tmp_path):
+    trainer = sampling_trainer(tmp_path, ["hard 1", "hard 2", "hard 3"])
+    output = trainer._generate_and_score_completions(group("easy") + group("hard 0"))
+    prompts = trained_prompts(output)
+    assert len(prompts) == 8 and output["completion_ids"].shape[0] == 8 and output["advantages"].shape == (8,)
+    assert not any("easy" in p for p in prompts)  # the all-right group left the batch...
+    assert sum("hard 0" in p for p in prompts) == 4  # ...the group worth learning from stayed...
+    assert {p for p in prompts if "hard 0" not in p} <= {"hard 1:", "hard 2:", "hard 3:"}  # ...new prompts came in
+    assert (output["advantages"].abs() > 0.5).all()  # no row of a zero-variance group
+    assert logged(trainer) == {"groups_dropped": [1.0], "rounds": [2.0], "zero_std_ratio": [0.0], "capped": [0.0]}
+    # The loss normaliser counts the rows trained on, not every row generated.
+    kept = (output["completion_mask"] * output["tool_mask"]).sum()
+    assert output["num_items_in_batch"].item() == kept.item()
+
+
+def test_without_dynamic_sampling_uniform_groups_stay(tmp_path):
+    trainer = sampling_trainer(tmp_path, ["hard 1"], dynamic_sampling=False)
+    output = trainer._generate_and_score_completions(group("easy") + group("hard 0"))
+    assert sum("easy" in p for p in trained_prompts(output)) == 4
+    assert not any(k.startswith("retool/dynamic_sampling/") for k in trainer._metrics["train"])
+
+
+def test_cap_trains_on_what_it_has_and_says_so(tmp_path, caplog):
+    trainer = sampling_trainer(tmp_path, ["easy 1", "easy 2"], dynamic_sampling_max_rounds=2)
+    with caplog.at_level(logging.WARNING, logger="retool_trl.training.dynamic_sampling"):
+        output = trainer._generate_and_score_completions(group("easy 0") + group("easy 1"))
+        trainer._generate_and_score_completions(group("easy 0") + group("easy 1"))
+    assert output["completion_ids"].shape[0] == 8  # a full batch all the same: nothing better was found
+    assert logged(trainer) == {
+        "groups_dropped": [4.0, 4.0],
+        "rounds": [2.0, 2.0],
+        "zero_std_ratio": [1.0, 1.0],
+        "capped": [1.0, 1.0],
+    }
+    warnings = [r for r in caplog.records if "dynamic_sampling_max_rounds" in r.getMessage()]
+    assert len(warnings) == 1  # the first capped step only
+
+
+def test_kept_rows_come_first_on_a_capped_step(tmp_path):
+    trainer = sampling_trainer(tmp_path, ["easy 1"], dynamic_sampling_max_rounds=2)
+    output = trainer._generate_and_score_completions(group("easy 0") + group("hard 0"))
+    prompts = trained_prompts(output)
+    assert prompts[:4] == ["hard 0:"] * 4 and logged(trainer)["capped"] == [1.0]
+    assert logged(trainer)["zero_std_ratio"] == [0.5]
+
+
+def test_accuracy_band_drops_groups_outside_it(tmp_path):
+    trainer = sampling_trainer(
+        tmp_path, ["hard 1", "hard 2"], dynamic_sampling_min_accuracy=0.2, dynamic_sampling_max_accuracy=0.6
+    )
+    output = trainer._generate_and_score_completions(group("most") + group("hard 0"))
+    prompts = trained_prompts(output)
+    assert not any("most" in p for p in prompts)  # 3/4 right: varied rewards, but above the band
+    assert logged(trainer)["groups_dropped"] == [1.0] and logged(trainer)["rounds"] == [2.0]
+
+
+def test_training_run_with_steps_per_generation(tmp_path):
+    """A short run: two optimizer steps per generation batch, half of the prompts all-right."""
+    trainer = sampling_trainer(
+        tmp_path,
+        ["easy 1", "easy 2", "hard 1", "hard 2"],
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        max_steps=4,
+        logging_steps=1,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "retool/dynamic_sampling/rounds" in entry]
+    assert len(logs) == 2  # one generation batch per two steps
+    assert all(all(f"retool/dynamic_sampling/{name}" in entry for name in METRICS) for entry in logs)
+    assert sum(entry["retool/dynamic_sampling/groups_dropped"] for entry in logs) > 0
+    for entry in logs:
+        if entry["retool/dynamic_sampling/capped"] == 0:
+            assert entry["retool/dynamic_sampling/zero_std_ratio"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ the parts
+def test_uniform_groups_judged_like_trl():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 1, 1, 1], [1, 0, 1, 1], [nan, nan, nan, nan], [nan, 1, nan, nan]]).view(-1, 1)
+    assert uniform_groups(rewards, torch.ones(1), 4).tolist() == [True, False, True, True]
+    # Two functions that offset each other: the summed reward is flat...
+    two = torch.tensor([[1.0, 0], [0, 1], [1, 0], [0, 1]])
+    assert uniform_groups(two, torch.ones(2), 4).tolist() == [True]
+    # ...but normalised one by one (TRL's normalize_then_sum) each carries signal.
+    assert uniform_groups(two, torch.ones(2), 4, "normalize_then_sum").tolist() == [False]
+
+
+def test_outside_band():
+    correct = torch.tensor([1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0], dtype=torch.float32)
+    assert outside_band(correct, 4, 0.2, 0.8).tolist() == [True, False, False]
+    assert outside_band(correct, 4, None, 0.4).tolist() == [True, False, True]
+
+
+def test_batches_join_with_each_side_padded():
+    first = {
+        "prompt_ids": torch.tensor([[5, 6]]),
+        "prompt_mask": torch.tensor([[1, 1]]),
+        "completion_ids": torch.tensor([[7]]),
+        "completion_mask": torch.tensor([[1]]),
+        "advantages": torch.tensor([1.0]),
+        "num_items_in_batch": torch.tensor(1),
+    }
+    second = {
+        "prompt_ids": torch.tensor([[4, 5, 6]]),
+        "prompt_mask": torch.tensor([[1, 1, 1]]),
+        "completion_ids": torch.tensor([[7, 8, 9]]),
+        "completion_mask": torch.tensor([[1, 1, 1]]),
+        "advantages": torch.tensor([-1.0]),
+        "num_items_in_batch": torch.tensor(3),
+    }
+    joined = concatenate([first, second], pad_token_id=0)
+    assert joined["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]]  # left
+    assert joined["completion_ids"].tolist() == [[7, 0, 0], [7, 8, 9]]  # right
+    assert "num_items_in_batch" not in joined
+    picked = take_rows(joined, [0])  # padding only the other row needed is cut away
+    assert picked["prompt_ids"].tolist() == [[5, 6]] and picked["completion_ids"].tolist() == [[7]]
+
+
+# ------------------------------------------------------------------------------------------------ the config
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"dynamic_sampling": True, "dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds"),
+        ({"dynamic_sampling": True, "dynamic_sampling_min_accuracy": 1.5}, "in [0, 1]"),
+        (
+            {"dynamic_sampling": True, "dynamic_sampling_min_accuracy": 0.8, "dynamic_sampling_max_accuracy": 0.2},
+            "must not be above",
+        ),
+        ({"dynamic_sampling_max_accuracy": 0.9}, "only with dynamic_sampling=True"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(tmp_path, fields, words):
+    with pytest.raises(ValueError, match=r"[^\n]*" + words.replace("[", r"\[").replace("]", r"\]")) as error:
+        ReToolConfig(str(tmp_path), use_cpu=True, **fields)
+    assert "\n" not in str(error.value)
+
+
+def test_band_needs_an_answer_column(tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="`answer` column"):
+        trainer_for(
+            tmp_path,
+            [],
+            dataset=Dataset.from_list([{"prompt": "Q:"}] * 4),
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            dynamic_sampling=True,
+            dynamic_sampling_max_accuracy=0.9,
+        )
