@@ -5,46 +5,12 @@ import logging
 import pytest
 import torch
 
+from helpers.dynamic_sampling_worker import METRICS, ByPrompt, group, launch, rows
 from helpers.testing_utils import make_char_tokenizer, trainer_for
 from retool_trl import ReToolConfig
-from retool_trl.testing import ScriptedBackend
 from retool_trl.training.dynamic_sampling import concatenate, outside_band, take_rows, uniform_groups
 
 TOKENIZER = make_char_tokenizer()
-METRICS = ("groups_dropped", "rounds", "zero_std_ratio", "capped")
-RIGHT, WRONG = "\\boxed{42}", "\\boxed{0}"
-
-
-def script_for(prompt: str, position: int) -> str:
-    """What the scripted model writes for the `position`-th sequence of a rollout (groups are 4 in a row):
-    `easy` prompts are all right (a zero-variance group), `hard` half right, `most` three quarters right."""
-    if "easy" in prompt:
-        return RIGHT
-    if "most" in prompt:
-        return WRONG if position % 4 == 3 else RIGHT
-    return RIGHT if position % 2 == 0 else WRONG
-
-
-class ByPrompt:
-    """A `ScriptedBackend` whose scripts are chosen from the prompts of its first call (each rollout builds one)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.inner = tokenizer, None
-
-    def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
-        if self.inner is None:
-            prompts = [self.tokenizer.decode(seq) for seq in sequences]
-            self.inner = ScriptedBackend(self.tokenizer, [script_for(p, i) for i, p in enumerate(prompts)])
-        return self.inner.generate_turn(sequences, max_new_tokens, stop_at_code_end)
-
-
-def rows(*kinds: str) -> list[dict]:
-    """Dataset rows, one per kind (`"easy 1"`, `"hard"`, ...), each a distinct dict as a dataloader gives."""
-    return [{"prompt": f"{kind}:", "answer": "42"} for kind in kinds]
-
-
-def group(kind: str) -> list[dict]:
-    return rows(*[kind] * 4)
 
 
 def sampling_trainer(tmp_path, dataset_kinds, **overrides):
@@ -140,6 +106,26 @@ def test_training_run_with_steps_per_generation(tmp_path):
     for entry in logs:
         if entry["retool/dynamic_sampling/capped"] == 0:
             assert entry["retool/dynamic_sampling/zero_std_ratio"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_agree(tmp_path):
+    """Rank 0 starts from an all-right group, rank 1 from a useful one: the same rounds and metrics on both, a full
+    batch of kept rows on each, one loss normaliser; then a short training run with two steps per generation."""
+    ranks = launch(tmp_path, 2)
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    # Round 1 dropped rank 0's two groups; round 2 drew two new groups for each rank.
+    assert ranks[0]["metrics"]["groups_dropped"][0] >= 2 and ranks[0]["metrics"]["rounds"][0] >= 2
+    assert ranks[0]["metrics"]["zero_std_ratio"] == [0.0] and ranks[0]["metrics"]["capped"] == [0.0]
+    for rank in ranks:
+        assert len(rank["prompts"]) == 8 and not any("easy" in p for p in rank["prompts"])
+        assert all(abs(a) > 0.5 for a in rank["advantages"])
+    assert ranks[1]["prompts"][:8].count("hard 0:") == 8  # rank 1's own groups stayed
+    total = ranks[0]["kept_tokens"] + ranks[1]["kept_tokens"]
+    assert ranks[0]["num_items_in_batch"] == ranks[1]["num_items_in_batch"] == total
+    prefix = "retool/dynamic_sampling/"
+    logs = [[{k: v for k, v in e.items() if k.startswith(prefix)} for e in rank["logs"]] for rank in ranks]
+    assert logs[0] == logs[1] and len(logs[0]) == 1  # one generation batch for the two steps, the same on both
 
 
 # ------------------------------------------------------------------------------------------------ the parts
