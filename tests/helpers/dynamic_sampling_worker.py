@@ -28,7 +28,10 @@ METRICS = ("groups_dropped", "rounds", "zero_std_ratio", "capped")
 
 def script_for(prompt: str, position: int) -> str:
     """What the scripted model writes for the `position`-th sequence of a rollout (groups are 4 in a row):
-    `easy` prompts are all right (a zero-variance group), `hard` half right, `most` three quarters right."""
+    `easy` prompts are all right (a zero-variance group), `hard` half right, `most` three quarters right, `void` half
+    right and half a void turn (neither code nor an answer)."""
+    if "void" in prompt:
+        return RIGHT if position % 2 == 0 else "no idea"
     if "easy" in prompt:
         return RIGHT
     if "most" in prompt:
@@ -47,6 +50,37 @@ class ByPrompt:
             prompts = [self.tokenizer.decode(seq) for seq in sequences]
             self.inner = ScriptedBackend(self.tokenizer, [script_for(p, i) for i, p in enumerate(prompts)])
         return self.inner.generate_turn(sequences, max_new_tokens, stop_at_code_end)
+
+
+class AsyncByPrompt:
+    """The async rollout's engine writing `script_for`'s answers, one request per completion: the n-th request with a
+    given prompt is its group's n-th sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.seen = tokenizer, {}
+
+    async def generate(self, token_ids, max_tokens, stop_at_code_end):
+        from retool_trl.rollout.types import TurnOutput
+
+        prompt = self.tokenizer.decode(token_ids)
+        position = self.seen[prompt] = self.seen.get(prompt, -1) + 1
+        ids = self.tokenizer(script_for(prompt, position), add_special_tokens=False)["input_ids"]
+        ids = [*ids, self.tokenizer.eos_token_id][:max_tokens]
+        return TurnOutput(ids, [-0.5] * len(ids))
+
+
+def use_async_loop(trainer) -> None:
+    """Rolls out with the async loop (`rollout_mode: async`, which the trainer picks with vLLM) against
+    `AsyncByPrompt`, in place of the barrier loop transformers generation uses."""
+    from retool_trl.rollout.batched import RolloutSpec
+    from retool_trl.rollout.per_completion import async_rollout
+
+    def rollout(prompt_ids):
+        spec = RolloutSpec.from_config(trainer.args, trainer.eos_token_ids, None, call_format=trainer._call_format)
+        engine = AsyncByPrompt(trainer._tokenizer)
+        return async_rollout(prompt_ids, engine, trainer.sandbox, trainer._tokenizer, spec, 8)
+
+    trainer._generate_rollout = rollout
 
 
 def rows(*kinds: str) -> list[dict]:

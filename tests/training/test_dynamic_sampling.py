@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from helpers.dynamic_sampling_worker import METRICS, ByPrompt, group, launch, rows
+from helpers.dynamic_sampling_worker import METRICS, ByPrompt, group, launch, rows, use_async_loop
 from helpers.testing_utils import make_char_tokenizer, trainer_for
 from retool_trl import ReToolConfig
 from retool_trl.training.dynamic_sampling import concatenate, outside_band, take_rows, uniform_groups
@@ -32,8 +32,11 @@ def logged(trainer) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
-def test_uniform_groups_are_dropped_and_refilled_from_new_prompts(tmp_path):
-    trainer = sampling_trainer(tmp_path, ["hard 1", "hard 2", "hard 3"])
+@pytest.mark.parametrize("loop", ["barrier", "async"])
+def test_uniform_groups_are_dropped_and_refilled_from_new_prompts(tmp_path, loop):
+    trainer = sampling_trainer(tmp_path, ["hard 1", "hard 2", "hard 3"], rollout_mode=loop)
+    if loop == "async":
+        use_async_loop(trainer)
     output = trainer._generate_and_score_completions(group("easy") + group("hard 0"))
     prompts = trained_prompts(output)
     assert len(prompts) == 8 and output["completion_ids"].shape[0] == 8 and output["advantages"].shape == (8,)
@@ -43,6 +46,22 @@ def test_uniform_groups_are_dropped_and_refilled_from_new_prompts(tmp_path):
     assert (output["advantages"].abs() > 0.5).all()  # no row of a zero-variance group
     assert logged(trainer) == {"groups_dropped": [1.0], "rounds": [2.0], "zero_std_ratio": [0.0], "capped": [0.0]}
     # The loss normaliser counts the rows trained on, not every row generated.
+    kept = (output["completion_mask"] * output["tool_mask"]).sum()
+    assert output["num_items_in_batch"].item() == kept.item()
+
+
+def test_beside_roc_and_the_void_turn_filter(tmp_path):
+    """RoC picks each group's rows from twice the samples, the void-turn filter masks void completions out of the
+    loss; dynamic sampling then judges the groups RoC kept, and leaves the masks as the filter set them."""
+    trainer = sampling_trainer(tmp_path, ["void 1", "void 2"], roc_oversample=2, filter_void_turns=True)
+    output = trainer._generate_and_score_completions(group("easy") + group("void 0"))
+    prompts = trained_prompts(output)
+    assert len(prompts) == 8 and not any("easy" in p for p in prompts)
+    assert logged(trainer)["groups_dropped"] == [1.0] and logged(trainer)["capped"] == [0.0]
+    texts = [TOKENIZER.decode(ids[m.bool()]) for ids, m in zip(output["completion_ids"], output["completion_mask"])]
+    void = torch.tensor(["no idea" in t for t in texts])
+    assert void.sum() == 4  # RoC kept half right, half wrong, as sampled
+    assert (output["tool_mask"][void] == 0).all() and (output["tool_mask"][~void].sum(dim=1) > 0).all()
     kept = (output["completion_mask"] * output["tool_mask"]).sum()
     assert output["num_items_in_batch"].item() == kept.item()
 
