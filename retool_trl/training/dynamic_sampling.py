@@ -225,10 +225,10 @@ class DynamicSampling:
         if capped and not self.warned:
             self.warned = True
             logger.warning(
-                "dynamic sampling: after %d rounds (dynamic_sampling_max_rounds) a process still had only %d of %d "
-                "rows from groups worth training on; this step trains on what it has, filled up with dropped rows "
-                "(retool/dynamic_sampling/capped says which steps). Raise dynamic_sampling_max_rounds or widen the "
-                "accuracy band if this happens often.",
+                "dynamic sampling reached its cap (dynamic_sampling_max_rounds=%d rollout rounds) with only %d of "
+                "%d rows from groups worth training on on some process; this step trains on what it has, filled up "
+                "with dropped rows (retool/dynamic_sampling/capped says which steps). Raise "
+                "dynamic_sampling_max_rounds or widen the accuracy band if this happens often.",
                 rounds,
                 int(full.min()),
                 size,
