@@ -163,32 +163,19 @@ class ReToolOptions:
     )
     dynamic_sampling: bool = field(
         default=False,
-        metadata={
-            "help": "DAPO's dynamic sampling: drop groups whose rewards all match (zero advantage), and groups "
-            "outside the accuracy band if one is set, and roll out more prompts until the generation batch is full "
-            "or dynamic_sampling_max_rounds is reached (a capped step trains on what it has)."
-        },
+        metadata={"help": "DAPO: drop equal-reward groups, sample more."},
     )
     dynamic_sampling_max_rounds: int = field(
         default=3,
-        metadata={
-            "help": "Dynamic sampling: most rollout rounds (the first included) per generation batch; after that "
-            "the step trains on what it has, filled up with dropped groups, and logs retool/dynamic_sampling/capped."
-        },
+        metadata={"help": "Most rollout rounds per batch (dynamic sampling)."},
     )
     dynamic_sampling_min_accuracy: float | None = field(
         default=None,
-        metadata={
-            "help": "Dynamic sampling: also drop groups whose share of correct answers is below this (SimpleTIR's "
-            "band; needs an `answer` column). None: no lower bound."
-        },
+        metadata={"help": "Dynamic sampling: also drop groups less often right than this."},
     )
     dynamic_sampling_max_accuracy: float | None = field(
         default=None,
-        metadata={
-            "help": "Dynamic sampling: also drop groups whose share of correct answers is above this (SimpleTIR's "
-            "band; needs an `answer` column). None: no upper bound."
-        },
+        metadata={"help": "Dynamic sampling: also drop groups more often right than this."},
     )
     tool_use_bonus: float = field(
         default=0.0,
