@@ -162,11 +162,13 @@ class DynamicSampling:
             if not self._order:
                 n = len(dataset)
                 shuffled = trainer.shuffle_dataset
-                self._order = torch.randperm(n, generator=self._generator).tolist() if shuffled else list(range(n))
-            prompts.append(self._order.pop(0))
+                order = torch.randperm(n, generator=self._generator).tolist() if shuffled else list(range(n))
+                self._order = order[::-1]  # taken from the end
+            prompts.append(self._order.pop())
         rows = [i for i in prompts for _ in range(group)]
         start = trainer.accelerator.process_index * local_size
-        return [dataset[i] for i in rows[start : start + local_size]]
+        # A dict of its own per row, as a dataloader gives: TRL writes each row's rollout facts into it.
+        return [dict(dataset[i]) for i in rows[start : start + local_size]]
 
     # ------------------------------------------------------------------------------------------- the rounds
     def _drop_decision(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,6 +159,34 @@ def test_uniform_groups_judged_like_trl():
     assert uniform_groups(two, torch.ones(2), 4, "normalize_then_sum").tolist() == [False]
 
 
+def test_drawn_prompts_are_laid_out_as_trls_sampler_lays_them_out():
+    """Each process gets its contiguous slice of whole groups; together they cover each drawn prompt once per
+    generation, and every process draws from the same order."""
+    from types import SimpleNamespace
+
+    from retool_trl.training.dynamic_sampling import DynamicSampling
+
+    args = SimpleNamespace(
+        dynamic_sampling_max_rounds=3, dynamic_sampling_min_accuracy=None, dynamic_sampling_max_accuracy=None, seed=0
+    )
+    dataset = [{"prompt": f"p{i}"} for i in range(6)]
+    drawn = []
+    for rank in range(2):
+        accelerator = SimpleNamespace(num_processes=2, process_index=rank)
+        trainer = SimpleNamespace(
+            args=args, num_generations=4, accelerator=accelerator, train_dataset=dataset, shuffle_dataset=True
+        )
+        sampler = DynamicSampling(trainer)
+        drawn.append([[row["prompt"] for row in sampler.draw(6)] for _ in range(4)])  # 3 groups per round
+    for batch0, batch1 in zip(*drawn, strict=True):
+        rows = batch0 + batch1
+        assert [rows[g : g + 4].count(rows[g]) for g in range(0, 12, 4)] == [4, 4, 4]  # whole groups of 4
+        assert len({rows[g] for g in range(0, 12, 4)}) == 3  # three prompts
+    for first in (0, 2):  # two rounds (6 prompts) make an epoch: each prompt once
+        epoch = [row for r in (first, first + 1) for rank in (0, 1) for row in drawn[rank][r]]
+        assert sorted(set(epoch)) == [f"p{i}" for i in range(6)] and len(epoch) == 24
+
+
 def test_outside_band():
     correct = torch.tensor([1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0], dtype=torch.float32)
     assert outside_band(correct, 4, 0.2, 0.8).tolist() == [True, False, False]
