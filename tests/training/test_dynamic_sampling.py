@@ -127,6 +127,7 @@ def test_training_run_with_steps_per_generation(tmp_path):
             assert entry["retool/dynamic_sampling/zero_std_ratio"] == 0
 
 
+@pytest.mark.engine  # several processes: the engine stage runs it (`-m engine`), ~30 s on 2 CPU cores
 @pytest.mark.timeout(600)
 def test_two_processes_agree(tmp_path):
     """Rank 0 starts from an all-right group, rank 1 from a useful one: the same rounds and metrics on both, a full
