@@ -366,7 +366,9 @@ def _dynamic_sampling(trainer) -> DynamicSampling | None:
     data = trainer.train_dataset
     if data is None:
         return DynamicSampling(trainer)  # evaluation only: never used
-    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+    from datasets import IterableDataset
+
+    if isinstance(data, (IterableDataset, torch.utils.data.IterableDataset)) or not hasattr(data, "__len__"):
         raise ValueError(
             "ReToolConfig.dynamic_sampling draws more prompts by index and needs a map-style training dataset; "
             "load it without streaming or set dynamic_sampling=False."

@@ -250,3 +250,11 @@ def test_band_needs_an_answer_column(tmp_path):
             dynamic_sampling=True,
             dynamic_sampling_max_accuracy=0.9,
         )
+
+
+def test_a_streamed_training_set_is_refused(tmp_path):
+    from datasets import Dataset
+
+    streamed = Dataset.from_list(rows("hard 1", "hard 2")).to_iterable_dataset()
+    with pytest.raises(ValueError, match="map-style training dataset"):
+        trainer_for(tmp_path, [], dataset=streamed, dynamic_sampling=True, max_steps=1)
