@@ -148,6 +148,18 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             rStar2-Agent's GRPO-RoC: sample `roc_oversample` x `num_generations` completions per prompt and keep
             `num_generations` (correct ones with the fewest tool errors and format problems, wrong ones at random).
             `1` disables it.
+        dynamic_sampling (`bool`, defaults to `False`):
+            DAPO's dynamic sampling: groups whose rewards all match (zero advantage) are dropped, and more prompts
+            are rolled out until every process has a full generation batch or `dynamic_sampling_max_rounds` rounds
+            have run. Metrics `retool/dynamic_sampling/{groups_dropped,rounds,zero_std_ratio,capped}`.
+        dynamic_sampling_max_rounds (`int`, defaults to `3`):
+            Most rollout rounds per generation batch, the first included. A step that reaches it trains on what it
+            has (the kept groups, filled up with dropped ones) and logs `retool/dynamic_sampling/capped` = 1.
+        dynamic_sampling_min_accuracy (`float` or `None`, defaults to `None`):
+            With dynamic sampling, also drop groups whose share of correct answers is below this (SimpleTIR's
+            band). Needs an `answer` column.
+        dynamic_sampling_max_accuracy (`float` or `None`, defaults to `None`):
+            With dynamic sampling, also drop groups whose share of correct answers is above this.
         drop_infra_failures (`bool`, defaults to `True`):
             A sandbox failure that is not the snippet's fault (worker lost, service down) is retried once; if it
             fails again, that completion is dropped from the loss and left unscored instead of scored as wrong.
@@ -304,6 +316,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             )
         if self.roc_oversample < 1:
             raise ValueError(f"ReToolConfig.roc_oversample must be >= 1, got {self.roc_oversample}.")
+        self._validate_dynamic_sampling()
         if not 0.0 <= self.tool_use_bonus < (self.correct_reward - self.incorrect_reward) / 2:
             raise ValueError(
                 f"ReToolConfig.tool_use_bonus must be in [0, (correct_reward - incorrect_reward) / 2), got "
@@ -321,6 +334,28 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
                     f"ReToolConfig.system_prompt={prompt!r} is not a shipped prompt ({', '.join(SHIPPED_PROMPTS)}); "
                     "give one of those names, 'none', or the prompt text itself."
                 )
+
+    def _validate_dynamic_sampling(self) -> None:
+        rounds = self.dynamic_sampling_max_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"ReToolConfig.dynamic_sampling_max_rounds must be an integer >= 1, got {rounds!r}.")
+        band = {"min": self.dynamic_sampling_min_accuracy, "max": self.dynamic_sampling_max_accuracy}
+        for side, value in band.items():
+            if value is not None and (isinstance(value, bool) or not 0.0 <= value <= 1.0):
+                raise ValueError(
+                    f"ReToolConfig.dynamic_sampling_{side}_accuracy must be a share of correct answers in [0, 1] or "
+                    f"None, got {value!r}."
+                )
+        if None not in band.values() and band["min"] > band["max"]:
+            raise ValueError(
+                f"ReToolConfig.dynamic_sampling_min_accuracy ({band['min']}) must not be above "
+                f"dynamic_sampling_max_accuracy ({band['max']}): no group could be kept."
+            )
+        if not self.dynamic_sampling and any(value is not None for value in band.values()):
+            raise ValueError(
+                "ReToolConfig.dynamic_sampling_min_accuracy / dynamic_sampling_max_accuracy act only with "
+                "dynamic_sampling=True: set it, or unset the band."
+            )
 
     @property
     def resolved_system_prompt(self) -> str | None:

@@ -161,6 +161,22 @@ class ReToolOptions:
             "the sampled proportion. 1 disables it. Needs whole groups on each process and an `answer` column."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "DAPO: drop equal-reward groups, sample more."},
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={"help": "Most rollout rounds per batch (dynamic sampling)."},
+    )
+    dynamic_sampling_min_accuracy: float | None = field(
+        default=None,
+        metadata={"help": "Dynamic sampling: also drop groups less often right than this."},
+    )
+    dynamic_sampling_max_accuracy: float | None = field(
+        default=None,
+        metadata={"help": "Dynamic sampling: also drop groups more often right than this."},
+    )
     tool_use_bonus: float = field(
         default=0.0,
         metadata={
@@ -205,7 +221,15 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "sandbox_allow_root_without_isolation",
     ),
     "rewards": ("correct_reward", "incorrect_reward", "tool_use_bonus"),
-    "stability": ("filter_void_turns", "roc_oversample", "drop_infra_failures"),
+    "stability": (
+        "filter_void_turns",
+        "roc_oversample",
+        "dynamic_sampling",
+        "dynamic_sampling_max_rounds",
+        "dynamic_sampling_min_accuracy",
+        "dynamic_sampling_max_accuracy",
+        "drop_infra_failures",
+    ),
 }
 
 __all__ = ["OPTION_GROUPS", "SANDBOX_BACKENDS", "TRUNCATION_SIDES", "ReToolOptions"]

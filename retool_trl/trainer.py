@@ -37,6 +37,7 @@ from .rollout.engines.vllm_colocate import ColocateEngine
 from .rollout.engines.vllm_server import async_applies, served_max_model_len, server_engine_from_config, server_url
 from .rollout.per_completion import async_rollout
 from .sandbox.factory import sandbox_from_config, with_cell_limits
+from .training.dynamic_sampling import dynamic_sampler
 from .training.inputs import check_answer_column, check_chat_template, with_shaping
 from .training.metrics import rollout_metrics
 from .training.sandbox_health import SandboxHealth
@@ -97,6 +98,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         self._rollout_inputs: list[dict] = []
         self._dropped: list[bool] = []
         self._roc_rng = random.Random(args.seed)
+        self._dynamic_sampling = dynamic_sampler(self)
+        self._round_rewards: torch.Tensor | None = None  # the last scoring's rewards over all processes
+        self._round_correct: list[bool] = []  # ...and, for the accuracy band, this process's correct answers
 
     # ----------------------------------------------------------------------------------------------- sandbox
     @property
@@ -233,6 +237,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         return output
 
     def _generate_and_score_completions(self, inputs):
+        if self._dynamic_sampling is not None and self.model.training:
+            # Drops groups with nothing to learn and scores more prompts in their place (`training.dynamic_sampling`).
+            return self._dynamic_sampling.fill(inputs, self._score_completions)
+        return self._score_completions(inputs)
+
+    def _score_completions(self, inputs):
         # Thin wrapper: the rollout needs the dataset rows (answers) for GRPO-RoC; TRL only passes it the prompts.
         self._rollout_inputs = inputs
         with _checkpointing_alias_quiet():
@@ -255,6 +265,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             # leaves them out of the group baseline. Rewards are gathered over processes, so is the flag.
             failed = torch.tensor([bool(x.get("infra_failed")) for x in inputs], device=rewards.device)
             rewards[self.accelerator.gather(failed)] = torch.nan
+        self._round_rewards = rewards
         return rewards
 
     def _retool_rollout(self, prompts: list, trainer=None) -> dict:
@@ -276,6 +287,9 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
 
         dropped = dropped_from_loss(result, args.filter_void_turns, args.drop_infra_failures)
         self._dropped = list(dropped)
+        if self._dynamic_sampling is not None and self._dynamic_sampling.uses_band and mode == "train":
+            pairs = zip(self._rollout_inputs, result.model_text, strict=True)
+            self._round_correct = [is_correct(None, row["answer"], text, self._call_format) for row, text in pairs]
         metrics = rollout_metrics(result, self.accelerator.gather, self.accelerator.device)
         metrics["retool/dropped_from_loss_ratio"] = (
             self.accelerator.gather(torch.tensor(dropped, dtype=torch.float32, device=self.accelerator.device))
