@@ -45,8 +45,8 @@ class ReToolOptions:
     max_tool_calls: int = field(
         default=8,
         metadata={
-            "help": "Maximum interpreter calls per completion, in any call format. After that, a call is not "
-            "run. 0 disables the interpreter (text-only RL)."
+            "help": "Maximum interpreter calls per completion; later calls are not run. 0 disables the "
+            "interpreter (text-only RL)."
         },
     )
     max_interpreter_output_chars: int = field(
@@ -92,12 +92,9 @@ class ReToolOptions:
     vllm_request_timeout_s: float | None = field(
         default=None,
         metadata={
-            "help": "Async rollout in vLLM server mode: longest wait for one turn's reply, in seconds; None (the "
-            "default) waits as long as the turn takes. A turn past it ends its completion as an engine failure, "
-            "counted in `retool/engine_timeout_ratio` (with drop_infra_failures on, that completion is unscored "
-            "and out of the loss; without it, scored as it stands). Connecting to the server is bounded "
-            "either way, and a server that goes away fails its requests at once. (`vllm_server_timeout` is how long "
-            "to wait for the server to start.)"
+            "help": "Async rollout in vLLM server mode: longest wait, in seconds, for one turn's reply (None: as "
+            "long as it takes); a turn past it ends its completion as an engine failure "
+            "(`retool/engine_timeout_ratio`)."
         },
     )
     sandbox_backend: str = field(

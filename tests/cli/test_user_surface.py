@@ -41,7 +41,7 @@ def test_train_help_is_short_grouped_and_config_first(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert len(lines) < 160, len(lines)
+    assert len(lines) < 150, len(lines)
     blocks = option_blocks(out)
     assert next(iter(blocks)) == "--config"
     headings = [line[:-1] for line in lines if re.match(r"^[a-z].*:$", line)]
