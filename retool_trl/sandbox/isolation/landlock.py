@@ -57,9 +57,10 @@ def launch(worker, network):
         "memory bounded only by the open-file limits (max_open_files per process)",
     ]
     if may_watch_other_uids() and not can_drop_privileges(worker):
-        # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
-        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. A
-        # container's root, without CAP_SYS_PTRACE, watches it through its fsuid (`fsuid.py`).
+        # Root, but the interpreter is readable by root only: each session still gets a uid of its own, and reaches
+        # the interpreter through descriptors it opened while still root (no capability kept); Landlock's rules
+        # bound what it reads and writes. A container's root, without CAP_SYS_PTRACE, watches it through its fsuid
+        # (`fsuid.py`).
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
         why = (
