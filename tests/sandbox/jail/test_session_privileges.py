@@ -112,3 +112,24 @@ def test_the_report_names_unruled_socket_connects_where_landlock_cannot_rule_the
         pytest.skip("the bwrap level's sessions have a uid, /tmp and network of their own")
     named = any("pathname UNIX sockets" in line for line in report["missing"])
     assert named == (report["landlock_abi"] < 9), report["missing"]
+
+
+WATCH = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+if fd < 0:
+    print("refused", ctypes.get_errno())
+else:
+    wd = libc.inotify_add_watch(fd, os.path.dirname(os.getcwd()).encode(), 0x100 | 0x2)  # IN_CREATE | IN_MODIFY
+    print("watching" if wd >= 0 else f"refused {ctypes.get_errno()}")
+"""
+
+
+def test_a_cell_cannot_watch_the_scratch_root(sandbox):
+    """On the `landlock` level every session's scratch lies in one root: an inotify watch there would name each
+    neighbour's scratch directory as it is made (their 24 random hex digits) and then report its file activity."""
+    if sandbox.isolation_report()["isolation"] != "landlock":
+        pytest.skip("the bwrap level gives each session a /tmp of its own")
+    r = sandbox.session().run(WATCH)
+    assert r.ok and r.output.startswith("refused"), r
