@@ -275,6 +275,20 @@ def _reach_through_descriptors(held):
     import importlib
 
     importlib.invalidate_caches()
+    # Tracebacks name library files by the paths they were compiled from: their source lines are read through the
+    # descriptors too, under the names the traceback shows.
+    update = linecache.updatecache
+
+    def updatecache(filename, module_globals=None):
+        lines = update(filename, module_globals)
+        reachable = fix(filename)
+        if not lines and reachable != filename:
+            lines = update(reachable, module_globals)
+            if lines:
+                linecache.cache[filename] = linecache.cache.pop(reachable)
+        return lines
+
+    linecache.updatecache = updatecache
 
 
 def _set_capabilities(mask):
