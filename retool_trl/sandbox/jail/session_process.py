@@ -54,8 +54,14 @@ def read_exact(fd, n):
 # ------------------------------------------------------------------------------------------------- session process
 
 
+_SHOWN_PATHS = {}  # "/proc/self/fd/N" -> the path it stands for (`_reach_through_descriptors`)
+
+
 def _format_exception(exc, last_line=None):
-    return format_exception(exc, (_THIS_FILE, _CELL_IO_FILE), last_line)
+    text = format_exception(exc, (_THIS_FILE, _CELL_IO_FILE), last_line)
+    for reached, path in _SHOWN_PATHS.items():  # a module imported through a descriptor is named as anywhere else
+        text = text.replace(f'File "{reached}/', f'File "{path.rstrip("/")}/')
+    return text
 
 
 def _kill_leftover_threads(budget_s=0.25):
@@ -241,6 +247,7 @@ def _reach_through_descriptors(held):
             os.close(fd)
     if not mapped:
         return
+    _SHOWN_PATHS.update({reached: path for path, reached in mapped.items()})
 
     def fix(value):
         if isinstance(value, str):
