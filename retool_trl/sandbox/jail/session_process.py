@@ -31,6 +31,7 @@ from jail_setup import (  # a sibling script module (worker.py puts this directo
     write_file,
 )
 from landlock import open_rule_paths, restrict_self  # the Landlock syscalls, a sibling script module
+from watchdog import scratch_unbounded, unnamed_file_bytes  # the zygote's bounds, a sibling script module
 from wire import HEADER, frame  # the host's wire format
 
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
@@ -129,6 +130,7 @@ class _Cell:
         import builtins
 
         self.config, self.own_uid, self.count = config, own_uid, 0
+        self.count_unnamed = scratch_unbounded(config)  # no tmpfs of its own bounds the scratch
         self.signal_mask = signal_mask  # the cells' own signal mask; outside a cell every catchable one is blocked
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sink = open(os.devnull, "w")
@@ -170,6 +172,15 @@ class _Cell:
         if survivors:
             ok, fatal = False, "background thread"
             error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
+        if self.count_unnamed and unnamed_file_bytes([os.getpid()]) > self.config["scratch_mb"] << 20:
+            # Files deleted while held open (or O_TMPFILE ones) are out of the scratch tree: counted at the call's
+            # end too, not only at the zygote's next sample (which also adds the tree, and catches a cell that
+            # rewrote this loop).
+            ok, fatal = False, "scratch"
+            error = (error or "") + (
+                f"OSError: the session's files passed {self.config['scratch_mb']} MB or {self.config['max_files']} "
+                "files (the session was killed)\n"
+            )
         text = capture.text()
         try:
             os.write(1, text.encode("utf-8", "replace"))
