@@ -125,7 +125,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         sandbox_url (`str`, `list[str]` or `None`, defaults to `None`):
             Base URL of the sandbox service (`retool-trl sandbox-server`, or SandboxFusion), or several (a list, or
             comma-separated): each session is pinned to one for its life. Required when `sandbox_backend="remote"`.
-            A server's `--token` is read from `RETOOL_SANDBOX_TOKEN`.
+            The server's token is read from `RETOOL_SANDBOX_TOKEN`.
         sandbox_max_concurrency (`int`, defaults to `32`):
             Requests in flight to the remote sandbox service.
 

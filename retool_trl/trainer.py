@@ -118,10 +118,21 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
             self._sandbox = None
 
     def train(self, *args, **kwargs):
+        self._training = True
         try:
             return super().train(*args, **kwargs)
         finally:
+            self._training = False
             self.close_sandbox()
+
+    def evaluate(self, *args, **kwargs):
+        """TRL's evaluation; a sandbox it had to build (called outside `train`) is closed when it returns or fails."""
+        built_here = self._sandbox is None and not getattr(self, "_training", False)
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if built_here:
+                self.close_sandbox()
 
     # ----------------------------------------------------------------------------------------------- rollout
     def _with_system_prompt(self, prompts: list) -> list:

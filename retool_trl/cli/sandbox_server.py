@@ -30,8 +30,13 @@ def _parser() -> OneLineParser:
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument(
         "--token",
-        default=os.environ.get("RETOOL_SANDBOX_TOKEN"),
-        help="Bearer token every call but /health must carry (default: $RETOOL_SANDBOX_TOKEN; none: no check).",
+        default=None,
+        help="Bearer token every call but /health must carry (default: $RETOOL_SANDBOX_TOKEN; none: no check). "
+        "Refused where cells can read command lines (the landlock and none levels): use the variable or "
+        "--token-file.",
+    )
+    parser.add_argument(
+        "--token-file", default=None, help="A file whose first line is the token (instead of --token)."
     )
     for field in dataclasses.fields(ServerConfig):
         if field.name in ("host", "port", "token"):
@@ -50,6 +55,21 @@ def _parser() -> OneLineParser:
 def main(argv: Sequence[str]) -> int:
     """`retool-trl sandbox-server --host H --port P [--token T] [...]`."""
     args = _parser().parse_args(list(argv))
+    token_in_argv = args.token is not None
+    token_file = args.token_file
+    del args.token_file
+    if token_in_argv and token_file:
+        raise UserError("give the token once: --token or --token-file, not both")
+    if token_file:
+        try:
+            with open(token_file) as handle:
+                args.token = handle.readline().strip() or None
+        except OSError as error:
+            raise UserError(f"cannot read --token-file: {one_line(error)}") from None
+        if args.token is None:
+            raise UserError(f"--token-file {token_file} is empty")
+    elif not token_in_argv:
+        args.token = os.environ.get("RETOOL_SANDBOX_TOKEN") or None
     try:
         import uvicorn
 
@@ -73,6 +93,13 @@ def main(argv: Sequence[str]) -> int:
     except (UnsafeSandboxError, SandboxStartError) as error:
         table.close()
         raise UserError(f"the sandbox cannot start here: {one_line(error)}") from None
+    if token_in_argv and not report.get("private_filesystem"):
+        # Without a private /proc (the landlock and none levels) every cell can read this process's command line.
+        table.close()
+        raise UserError(
+            f"--token on the command line is readable by every cell on the {report.get('isolation')} level "
+            "(command lines are visible in /proc there): give it as $RETOOL_SANDBOX_TOKEN or --token-file"
+        )
     # One line of what holds and what does not; each missing protection in full is in GET /health's `missing`.
     where = " What it does not give, in full: GET /health ('missing')." if report.get("missing") else ""
     print(f"[retool-trl] sandbox isolation: {report.get('summary', report.get('isolation'))}{where}", flush=True)

@@ -11,7 +11,8 @@ Invariants checked throughout, each reported by name when broken:
   `signals_contained`, `deadline_held`, `output_bounded`, `result_unforgeable`) and `close_returns` (a close in the
   middle of a call ends that call soon);
 - `nothing_left_after_close`: a closed session's jail process is gone; after the sandbox closes no process, cgroup or
-  scratch directory of it is left and the trainer's descriptors are back where they were;
+  scratch directory of it is left and the trainer's descriptors are back where they were, with sessions the trainer
+  still references at the close (each then answers that it is closed);
 - `trainer_flat`: the trainer's resident memory and descriptors do not grow over the run (bounded growth).
 
 Prints progress, then one JSON object as the last line of stdout; appends it to `scripts/results/sandbox_soak.jsonl`;
@@ -309,8 +310,16 @@ def run(args) -> dict:
     if fd_growth > FD_GROWTH:
         soak.violation("trainer_flat", f"descriptors peaked {fd_growth} higher in the run's second half")
     soak.check_closed(final=True)
+    # Sessions the trainer still references when the sandbox closes (an evaluation's, a rollout's last batch): the
+    # close must end them too, descriptors included, and each must answer that it is closed.
+    held = [sandbox.session() for _ in range(8)]
+    sandbox.run_many([(session, "x = 1") for session in held])
     sandbox.close()
     leaks = _leaks(host_scratch, fds_before)
+    answers = {session.run("print(x)").output for session in held}
+    if answers != {"SessionError: this session is closed"}:
+        soak.violation("nothing_left_after_close", f"a session held past close() answered {sorted(answers)!r}")
+    del held
     for what, n in leaks.items():
         if n:
             soak.violation("nothing_left_after_close", f"{n} {what} left after the sandbox closed")

@@ -14,7 +14,8 @@ ROOT="$PWD"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 CONTRACT_TESTS=(tests/sandbox/jail/test_hostile_cells.py tests/sandbox/jail/test_jail.py
     tests/sandbox/jail/test_sealed_filesystem.py tests/sandbox/host/test_local_pool.py
-    tests/sandbox/jail/test_cells_sharing_an_owner.py)
+    tests/sandbox/jail/test_cells_sharing_an_owner.py tests/sandbox/jail/test_session_privileges.py
+    tests/sandbox/jail/test_session_bounds_without_cgroups.py)
 PYTEST=(-m pytest -q -p no:cacheprovider -rs)
 
 if [ "$(id -u)" != 0 ]; then

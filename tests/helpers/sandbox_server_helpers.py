@@ -21,7 +21,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m retool_trl sandbox-server --host 127.0.0.1 --port P ...` in a subprocess, ready when /health is."""
 
-    def __init__(self, *args: str, start_timeout_s: float = 120.0):
+    def __init__(self, *args: str, start_timeout_s: float = 120.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "retool_trl", "sandbox-server", "--host", "127.0.0.1", "--port"]
@@ -31,6 +31,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group: the jails it forked can be found and checked
+            env=None if env is None else {**os.environ, **env},
         )
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:

@@ -79,6 +79,8 @@ class JailSupply:
                 continue
             session._proc = proc
             session._finalizer = weakref.finalize(session, proc.close)
+            with self._ready_lock:
+                self._with_process.add(session)
             errors.append(None)
         return errors
 

@@ -182,6 +182,9 @@ class LocalSandbox(JailSupply, CallResults):
         # Jails handed out by the zygote, not yet given a session.
         self._ready: list[tuple[_Zygote, SessionProcess]] = []
         self._ready_lock = threading.Lock()
+        # Sessions given a process, while the trainer references them: `close()` ends each, so that none keeps the
+        # trainer's descriptors (or its jail) past the sandbox.
+        self._with_process: weakref.WeakSet[LocalSession] = weakref.WeakSet()
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -327,13 +330,17 @@ class LocalSandbox(JailSupply, CallResults):
             shutil.rmtree(host_scratch, ignore_errors=True)
 
     def close(self) -> None:
-        """Stops every session and the zygote; removes all scratch directories. Idempotent."""
+        """Stops every session and the zygote; removes all scratch directories. Idempotent. A session the caller
+        still holds answers "this session is closed" from then on, and keeps none of the trainer's descriptors."""
         with self._lock:
             self._closed = True
         with self._ready_lock:
             ready, self._ready = self._ready, []
+            sessions = list(self._with_process)
         for _, proc in ready:
             proc.close()
+        for session in sessions:
+            session.close()
         self._finalizer()
 
     def __enter__(self) -> LocalSandbox:

@@ -5,8 +5,9 @@ ptrace the process: the same uid (the reader's fsuid) with every capability the 
 and a process that is dumpable; or CAP_SYS_PTRACE, which container runtimes do not grant. So a session under a uid of
 its own stays dumpable (`session_process.py`), and the trainer reads that file with its fsuid and fsgid set to the
 session's uid and its effective capabilities raised back to its permitted ones (a nonzero fsuid drops the file
-capabilities, CAP_DAC_OVERRIDE among them, which the session keeps to read the interpreter), for that one read and
-on that thread only. Six system calls, a few microseconds, once per look at a call's end.
+capabilities, which the trainer needs again right after), for that one read and on that thread only. Sessions keep
+no capability, so the reader's always cover theirs. Six system calls, a few microseconds, once per look at a
+call's end.
 """
 
 from __future__ import annotations
@@ -84,18 +85,14 @@ def acting_as(uid: int | None):
             raise OSError("could not restore the trainer thread's file-system ids and capabilities")
 
 
-# A stand-in session: its own uid, CAP_DAC_OVERRIDE kept as a session keeps it, dumpable, blocked reading stdin.
+# A stand-in session: its own uid, no capability (as a session), dumpable, blocked reading stdin.
 _PROBE_CHILD = """
-import ctypes, os, struct, sys
+import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 uid = int(sys.argv[1])
-libc.prctl(8, 1, 0, 0, 0)
 os.setgroups([])
 os.setresgid(uid, uid, uid)
 os.setresuid(uid, uid, uid)
-dac = 1 << 1
-libc.capset(ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8),
-            ctypes.create_string_buffer(struct.pack("6I", dac, dac, dac, 0, 0, 0), 24))
 libc.prctl(4, 1, 0, 0, 0)
 os.write(1, b"1")
 os.read(0, 1)

@@ -42,7 +42,8 @@ def launch(worker, network):
         "private /tmp and /dev/shm: a session writes only its own scratch directory (its HOME and TMPDIR), so "
         "POSIX semaphores (multiprocessing locks) are unavailable; the zygote samples the scratch tree every 0.1 s "
         "and kills a session over scratch_mb or max_files, so a session can pass them between samples (files "
-        "fill at the disk's speed; a file deleted while held open is not seen)",
+        "fill at the disk's speed); files deleted while held open count through the session's descriptors, but a "
+        "deleted file only mapped, its descriptor closed, is not seen",
         "private process list: other processes' command lines and status are visible in /proc (not their "
         "memory, environment or descriptors), and stat() and access() answer for any path (Landlock governs "
         "reads and writes, not metadata)",
@@ -57,9 +58,10 @@ def launch(worker, network):
         "memory bounded only by the open-file limits (max_open_files per process)",
     ]
     if may_watch_other_uids() and not can_drop_privileges(worker):
-        # Root, but the interpreter is readable by root only: each session still gets a uid of its own, keeping one
-        # capability to read past the file modes; Landlock's rules are what bound its reads and writes. A
-        # container's root, without CAP_SYS_PTRACE, watches it through its fsuid (`fsuid.py`).
+        # Root, but the interpreter is readable by root only: each session still gets a uid of its own, and reaches
+        # the interpreter through descriptors it opened while still root (no capability kept); Landlock's rules
+        # bound what it reads and writes. A container's root, without CAP_SYS_PTRACE, watches it through its fsuid
+        # (`fsuid.py`).
         rules["read_override"] = True
     elif not can_drop_privileges(worker):
         why = (

@@ -49,7 +49,7 @@ class IsolationLevel:
 
     def drops_privileges(self, launch: Launch, worker: str) -> bool:
         """Whether sessions run under uids of their own: where the trainer may watch other uids and others can reach
-        the interpreter, or where the level's rules keep one capability to read past the file modes."""
+        the interpreter, or where the level's sessions reach it through descriptors opened while still root."""
         return can_drop_privileges(worker) or bool((launch.landlock or {}).get("read_override"))
 
     def root_refusal(self, why: str, fell_back: bool) -> str | None:

@@ -95,6 +95,9 @@ _SET_INODE_FLAGS_IOCTLS = (0x40086602, 0x40046602, 0x401C5820)  # FS_IOC_SETFLAG
 #   (memfd files passed around, SysV segments and queues, POSIX message queues): without a memory cgroup nothing
 #   would count it against memory_mb;
 _UNCOUNTED_MEMORY_SYSCALLS = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open")
+# - watches on the file system (inotify and fanotify marks): a watch on the shared scratch root would name every
+#   neighbour's scratch directory as it is made, and then report its file activity;
+_WATCH_SYSCALLS = ("inotify_add_watch", "fanotify_mark")
 # - calls that change another process of the same uid (its limits, CPUs, priority, scheduling) that Landlock's
 #   scoping does not cover: allowed on the caller itself (pid 0) only.
 _SELF_ONLY_SYSCALLS = ("prlimit64", "sched_setaffinity", "sched_setparam", "sched_setscheduler", "sched_setattr")
@@ -119,8 +122,8 @@ def seccomp_program(
     Denies new namespaces (user namespaces above all), mounts, ptrace, kexec, keyrings, bpf, perf, module loading,
     io_uring (whose operations seccomp cannot see), Linux AIO (a host-wide quota), flock, and sockets of every family
     but `families` (EAFNOSUPPORT, as a kernel without that family would answer); everything else is allowed. With
-    `confined_owner` (the Landlock level) also metadata changes, uncounted shared memory and calls on other processes
-    (see `_METADATA_SYSCALLS`)."""
+    `confined_owner` (the Landlock level) also metadata changes, uncounted shared memory, file-system watches and
+    calls on other processes (see `_METADATA_SYSCALLS`)."""
     try:
         import pyseccomp as seccomp
     except Exception as exc:  # noqa: BLE001 - not installed, or libseccomp missing
@@ -157,7 +160,8 @@ def seccomp_program(
 def _add_owner_rules(seccomp, rules, eperm: int) -> None:
     """The `confined_owner` part of the filter (see `_METADATA_SYSCALLS`)."""
     deny = seccomp.ERRNO(eperm)
-    for name in dict.fromkeys((*_METADATA_SYSCALLS, *_UNCOUNTED_MEMORY_SYSCALLS, *_METADATA_SYSCALL_NUMBERS)):
+    names = (*_METADATA_SYSCALLS, *_UNCOUNTED_MEMORY_SYSCALLS, *_WATCH_SYSCALLS, *_METADATA_SYSCALL_NUMBERS)
+    for name in dict.fromkeys(names):
         number = seccomp.resolve_syscall(seccomp.Arch.NATIVE, name)
         if number < 0:
             number = _METADATA_SYSCALL_NUMBERS.get(name, -1)

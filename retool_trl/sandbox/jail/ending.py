@@ -129,7 +129,7 @@ class JailEnding:
     def watch(self):
         """Where no cgroup bounds a session as a whole, or its scratch: the watchdog's sample (`watchdog.py`)."""
         self.watched_at = time.monotonic()
-        live = [(jail.pid, jail.watched_scratch) for jail in self.jails.values() if not jail.closed]
+        live = [(jail.pid, jail.watched_scratch, jail.uid) for jail in self.jails.values() if not jail.closed]
         self.killed_for.update(enforce(live, self.bounds))
         kill_strays(self.pid, set(self.jails) | self.removers)  # what a killed session forked after the sample
 

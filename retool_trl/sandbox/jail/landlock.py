@@ -24,6 +24,7 @@ _RULE_PATH_BENEATH = 1
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _ABI1_FS = (1 << 13) - 1  # execute ... make_sym
 _REFER, _TRUNCATE, _IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_RESOLVE_UNIX = 1 << 16  # connect()/sendmsg() to a pathname UNIX socket (ABI 9): allowed only under the scratch
 _FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | _TRUNCATE | _IOCTL_DEV  # the rights a rule on a file may carry
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
@@ -67,6 +68,8 @@ def handled_fs(abi):
         rights |= _TRUNCATE
     if abi >= 5:
         rights |= _IOCTL_DEV
+    if abi >= 9:
+        rights |= _RESOLVE_UNIX
     return rights
 
 
@@ -81,6 +84,13 @@ def not_enforced(abi):
         gaps.append(
             "signals and abstract UNIX sockets scoped to the session (Landlock ABI 6, Linux 6.12; only a uid of "
             "its own keeps sessions from signalling each other)"
+        )
+    if abi < 9:
+        gaps.append(
+            "connect() and sendmsg() to pathname UNIX sockets outside the session's scratch (Landlock ABI 9, after "
+            "Linux 6.18; earlier kernels check only creating them): a session reaches every socket whose file "
+            "modes let its uid write it (a socket of mode 0666, or, where sessions share the trainer's uid, the "
+            "trainer's own sockets), and /proc/net/unix lists their paths"
         )
     return gaps
 
@@ -101,9 +111,22 @@ def landlock_rules(read, write, abi=None):
     return {"abi": abi_version() if abi is None else abi, "read": list(read), "write": list(write)}
 
 
-def _add_path_rule(ruleset, path, rights, handled):
+def open_rule_paths(rules):
+    """`{path: O_PATH descriptor}` for each readable path of `rules` that exists: opened before the session drops
+    root, so that a path only root can reach (a virtual environment under a mode-700 /root) is still ruled, and
+    still reachable through the descriptor, by a session that keeps no capability."""
+    held = {}
+    for path in rules["read"]:
+        try:
+            held[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            pass  # absent on this machine (no /lib32, say): nothing to allow
+    return held
+
+
+def _add_path_rule(ruleset, path, rights, handled, held=None):
     try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        fd = os.dup(held[path]) if held and path in held else os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return  # absent on this machine (no /lib32, say): nothing to allow
     try:
@@ -118,10 +141,12 @@ def _add_path_rule(ruleset, path, rights, handled):
         os.close(fd)
 
 
-def restrict_self(rules, scratch):
+def restrict_self(rules, scratch, held=None):
     """Applies the session's Landlock domain to this process and all it starts (needs no_new_privs first): reads and
     executes under `rules["read"]`, writes under `rules["write"]` and `scratch` only; on ABI 4+ no TCP bind or
-    connect at all; on ABI 6+ no signal to, and no abstract UNIX socket of, a process outside the session."""
+    connect at all; on ABI 6+ no signal to, and no abstract UNIX socket of, a process outside the session; on ABI 9+
+    no connect() or sendmsg() to a pathname UNIX socket outside `scratch`. `held`: the read paths opened beforehand
+    (`open_rule_paths`)."""
     abi = int(rules["abi"])
     handled = handled_fs(abi)
     attr = struct.pack("=Q", handled)
@@ -136,7 +161,7 @@ def restrict_self(rules, scratch):
         raise OSError(code, f"landlock_create_ruleset: {os.strerror(code)}")
     try:
         for path in rules["read"]:
-            _add_path_rule(ruleset, path, READ, handled)
+            _add_path_rule(ruleset, path, READ, handled, held)
         for path in [*rules["write"], scratch]:
             _add_path_rule(ruleset, path, handled & ~_REFER | READ, handled)
         if _libc.syscall(_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:

@@ -25,13 +25,13 @@ from cell_io import Capture, format_exception  # a sibling script module, shared
 from jail_setup import (  # a sibling script module (worker.py puts this directory on sys.path for its imports)
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
-    check,
     enter_jail,
     install_seccomp,
     prctl,
     write_file,
 )
-from landlock import restrict_self  # the Landlock syscalls, a sibling script module
+from landlock import open_rule_paths, restrict_self  # the Landlock syscalls, a sibling script module
+from watchdog import scratch_unbounded, unnamed_file_bytes  # the zygote's bounds, a sibling script module
 from wire import HEADER, frame  # the host's wire format
 
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
@@ -55,8 +55,14 @@ def read_exact(fd, n):
 # ------------------------------------------------------------------------------------------------- session process
 
 
+_SHOWN_PATHS = {}  # "/proc/self/fd/N" -> the path it stands for (`_reach_through_descriptors`)
+
+
 def _format_exception(exc, last_line=None):
-    return format_exception(exc, (_THIS_FILE, _CELL_IO_FILE), last_line)
+    text = format_exception(exc, (_THIS_FILE, _CELL_IO_FILE), last_line)
+    for reached, path in _SHOWN_PATHS.items():  # a module imported through a descriptor is named as anywhere else
+        text = text.replace(f'File "{reached}/', f'File "{path.rstrip("/")}/')
+    return text
 
 
 def _kill_leftover_threads(budget_s=0.25):
@@ -124,6 +130,7 @@ class _Cell:
         import builtins
 
         self.config, self.own_uid, self.count = config, own_uid, 0
+        self.count_unnamed = scratch_unbounded(config)  # no tmpfs of its own bounds the scratch
         self.signal_mask = signal_mask  # the cells' own signal mask; outside a cell every catchable one is blocked
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sink = open(os.devnull, "w")
@@ -165,6 +172,15 @@ class _Cell:
         if survivors:
             ok, fatal = False, "background thread"
             error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
+        if self.count_unnamed and unnamed_file_bytes([os.getpid()]) > self.config["scratch_mb"] << 20:
+            # Files deleted while held open (or O_TMPFILE ones) are out of the scratch tree: counted at the call's
+            # end too, not only at the zygote's next sample (which also adds the tree, and catches a cell that
+            # rewrote this loop).
+            ok, fatal = False, "scratch"
+            error = (error or "") + (
+                f"OSError: the session's files passed {self.config['scratch_mb']} MB or {self.config['max_files']} "
+                "files (the session was killed)\n"
+            )
         text = capture.text()
         try:
             os.write(1, text.encode("utf-8", "replace"))
@@ -217,20 +233,80 @@ def _serve(cell, payload, cpu_s):
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _CAP_LAST = 36, 24, 63
-_PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _PR_SET_DUMPABLE = 8, 47, 2, 4
-_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+_PR_SET_DUMPABLE = 4
 
 
-def _read_override():
-    """The capability that lets a session's own uid read the interpreter where only root can (a venv under a mode-700
-    /root, as in most containers): CAP_DAC_READ_SEARCH if we hold it, else CAP_DAC_OVERRIDE (a container runtime's
-    default set has only that one). Landlock, not the file modes, then decides what the session reads and writes."""
-    with open("/proc/self/status") as f:
-        permitted = next(int(line.split()[1], 16) for line in f if line.startswith("CapPrm:"))
-    for cap in (_CAP_DAC_READ_SEARCH, _CAP_DAC_OVERRIDE):
-        if permitted >> cap & 1:
-            return cap
-    return None
+def _reach_through_descriptors(held):
+    """Points the interpreter at the read paths this session's uid cannot reach by the file modes (a virtual
+    environment or interpreter under a mode-700 /root, as in most container images) through the descriptors opened
+    while it was still root (`held`, path -> O_PATH descriptor): `/proc/self/fd/N` leads straight to the directory,
+    so no capability is kept to get past the modes, and Landlock still rules what lies below. The path strings the
+    import system keeps (sys.path, each module's `__path__`, `__file__` and spec, `sys.executable` and the
+    prefixes) are rewritten; a path the uid can reach is left as it is and its descriptor closed."""
+    mapped = {}
+    for path in sorted(held, key=len):
+        fd = held[path]
+        if any(path == old or path.startswith(old.rstrip("/") + "/") for old in mapped):
+            os.close(fd)
+            continue
+        try:
+            os.stat(path)
+            os.close(fd)
+        except PermissionError:
+            mapped[path] = f"/proc/self/fd/{fd}"
+        except OSError:
+            os.close(fd)
+    if not mapped:
+        return
+    _SHOWN_PATHS.update({reached: path for path, reached in mapped.items()})
+
+    def fix(value):
+        if isinstance(value, str):
+            for old, new in mapped.items():
+                if value == old or value.startswith(old.rstrip("/") + "/"):
+                    return new + value[len(old) :]
+        return value
+
+    def fix_list(values):
+        if isinstance(values, list):
+            values[:] = [fix(v) for v in values]
+        elif isinstance(getattr(values, "_path", None), list):  # a namespace package's _NamespacePath
+            values._path[:] = [fix(v) for v in values._path]
+
+    sys.path[:] = [fix(p) for p in sys.path]
+    for name in ("executable", "_base_executable", "prefix", "exec_prefix", "base_prefix", "base_exec_prefix"):
+        if isinstance(getattr(sys, name, None), str):
+            setattr(sys, name, fix(getattr(sys, name)))
+    for module in list(sys.modules.values()):
+        try:
+            fix_list(module.__dict__.get("__path__"))
+            if isinstance(module.__dict__.get("__file__"), str):
+                module.__file__ = fix(module.__file__)
+            spec = module.__dict__.get("__spec__")
+            if spec is not None:
+                if isinstance(spec.origin, str):
+                    spec.origin = fix(spec.origin)
+                fix_list(spec.submodule_search_locations)
+        except Exception:  # noqa: BLE001, S112 - an odd module object: its later imports may fail, nothing else
+            continue
+    sys.path_importer_cache.clear()
+    import importlib
+
+    importlib.invalidate_caches()
+    # Tracebacks name library files by the paths they were compiled from: their source lines are read through the
+    # descriptors too, under the names the traceback shows.
+    update = linecache.updatecache
+
+    def updatecache(filename, module_globals=None):
+        lines = update(filename, module_globals)
+        reachable = fix(filename)
+        if not lines and reachable != filename:
+            lines = update(reachable, module_globals)
+            if lines:
+                linecache.cache[filename] = linecache.cache.pop(reachable)
+        return lines
+
+    linecache.updatecache = updatecache
 
 
 def _set_capabilities(mask):
@@ -243,14 +319,13 @@ def _set_capabilities(mask):
         raise OSError(ctypes.get_errno(), "capset: could not set the session's capabilities")
 
 
-def _drop_capabilities(but=None):
-    """Empties the bounding set (so that no program a cell runs gets capabilities back) but for `but`; with `but`
-    None, also every capability set of this uid-0 session: root's files stay its own, but it can no longer override
-    permissions, kill, trace or change uid."""
+def _drop_capabilities(sets=True):
+    """Empties the bounding set (so that no program a cell runs gets capabilities back) and, with `sets`, every
+    capability set of this process: a uid-0 session keeps root's files as its own, but can no longer override
+    permissions, kill, trace or change uid. (Without `sets`: before a uid change, which itself needs CAP_SETUID.)"""
     for cap in range(_CAP_LAST + 1):
-        if cap != but:
-            ctypes.CDLL(None).prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the kernel's last: ignored
-    if but is None:
+        ctypes.CDLL(None).prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the kernel's last: ignored
+    if sets:
         _set_capabilities(0)
 
 
@@ -279,11 +354,18 @@ def session_main(config, jail):
     if uid:
         os.chown(scratch, uid, uid)
     os.chdir(scratch)
+    # Opened while still root (and before the open-file limit): what only root can reach stays readable through
+    # these, with no capability kept; those the session's uid can reach are closed once Landlock is in force.
+    held = open_rule_paths(config["landlock"]) if config.get("landlock") else {}
     mb = 1024 * 1024
+    # Room for the descriptors held for the Landlock rules until they are closed; `max_open_files` itself is set
+    # once they are (a value past what may be set still fails here, while root, as the jail's own set-up error).
+    nofile, hard = config["max_open_files"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    roomy = nofile if 0 <= hard < nofile else max(nofile, 256) if hard < 0 else min(max(nofile, 256), hard)
     limits = [
+        (resource.RLIMIT_NOFILE, roomy),
         (resource.RLIMIT_AS, config["memory_mb"] * mb),
         (resource.RLIMIT_FSIZE, config["max_file_size_mb"] * mb),
-        (resource.RLIMIT_NOFILE, config["max_open_files"]),
         (resource.RLIMIT_CORE, 0),
         (resource.RLIMIT_CPU, resource.RLIM_INFINITY),  # while still root; each call then sets its soft limit
     ]
@@ -293,26 +375,23 @@ def session_main(config, jail):
         resource.setrlimit(kind, (value, value))
     if not config["jail"]:  # not pid 1 of a namespace: orphans of the cell still come back to us, to be ended
         prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    keep = _read_override() if uid and (config.get("landlock") or {}).get("read_override") else None
-    if keep is not None:  # kept across the uid change below, and only it
-        _drop_capabilities(but=keep)
-        prctl(_PR_SET_KEEPCAPS, 1)
     if uid:
+        _drop_capabilities(sets=False)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # every capability goes with root (none is kept across the change)
         if config.get("watch_by_fsuid"):  # the trainer reads /proc/PID/syscall as this uid (isolation/fsuid.py)
             prctl(_PR_SET_DUMPABLE, 1)
-        if keep is not None:
-            _set_capabilities(1 << keep)
-            check(
-                ctypes.CDLL(None, use_errno=True).prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, keep, 0, 0), "ambient"
-            )
+        _drop_capabilities()
     elif config.get("landlock") and os.geteuid() == 0:
         _drop_capabilities()  # uid 0 kept (the interpreter is readable by root only): without root's powers
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     if config.get("landlock"):
-        restrict_self(config["landlock"], scratch)
+        restrict_self(config["landlock"], scratch, held)
+        _reach_through_descriptors(held)
+    # Set once the descriptors opened for the Landlock rules are closed (the limit refuses descriptor numbers at or
+    # above it, and a rule whose path cannot be opened would be left out).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     if config.get("seccomp"):
         install_seccomp(base64.b64decode(config["seccomp"]))
     os.environ["HOME"] = os.environ["TMPDIR"] = scratch

@@ -7,16 +7,22 @@ What it bounds, and what it does not: each process keeps its own address-space l
 size limit (RLIMIT_FSIZE), both immediate; the sums are checked only at each sample, so a session can exceed them
 for up to one interval (threads start in tens of microseconds, files fill at the disk's speed); pages shared after a
 fork, and shared anonymous maps, count once per process that maps them (an overestimate, never an underestimate of
-anonymous memory); a file deleted while held open is no longer in the tree (at most `max_open_files` x
-`max_file_size_mb` per process). A tree the zygote cannot list (a directory made unreadable, a path past PATH_MAX)
-counts as over its bound; a tree that takes long to walk is walked less often (the zygote spends at most about a
-tenth of its time on one session's tree), so a session with many files is checked with more slack, never not at all.
+anonymous memory); a file deleted while held open (or made unnamed with O_TMPFILE) is no longer in the tree, so
+the regular files the session's processes hold open that no directory names count with it, read through
+/proc/PID/fd (as the session's uid where the zygote has no CAP_SYS_PTRACE: `watch_by_fsuid`); a deleted file that
+is only mapped, its descriptor closed, is not seen. A tree the zygote cannot list (a directory made unreadable, a
+path past PATH_MAX) counts as over its bound; a tree that takes long to walk is walked less often (the zygote spends
+at most about a tenth of its time on one session's tree), so a session with many files is checked with more slack,
+never not at all.
 Stdlib-only: the zygote imports it as a sibling script module.
 """
 
+import contextlib
+import ctypes
 import errno
 import os
 import shutil
+import stat
 import time
 
 INTERVAL_S = 0.1
@@ -52,6 +58,45 @@ def private_resident_bytes(pid):
     return total
 
 
+def unnamed_file_bytes(pids):
+    """Disk blocks of the regular files that `pids` hold open and that no directory names any more (deleted while
+    open, or made with O_TMPFILE): out of the scratch tree's walk, still on the disk. Each file counts once."""
+    seen, total = set(), 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 0 and (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_blocks * 512
+    return total
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def as_file_system_ids(uid):
+    """This thread's fsuid and fsgid set to `uid` (the zygote, root without CAP_SYS_PTRACE, may then read the
+    /proc/PID/fd of a dumpable session of that uid); restored after. `uid` 0 or None: nothing changes."""
+    if not uid:
+        yield
+        return
+    _libc.setfsgid(uid)
+    _libc.setfsuid(uid)
+    try:
+        yield
+    finally:
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+
+
 def session_bounds(config):
     """What the watchdog bounds (see `over_budget`): memory and tasks only where no cgroup does (`session_watchdog`),
     the scratch tree always where it samples one (`scratch_unbounded`)."""
@@ -61,6 +106,7 @@ def session_bounds(config):
         "tasks": config["max_processes"] if sampled else None,
         "scratch": config["scratch_mb"] << 20,
         "files": config["max_files"],
+        "by_fsuid": bool(config.get("watch_by_fsuid")),
     }
 
 
@@ -102,16 +148,19 @@ def scratch_due(scratch, now):
     return now >= _next_walk.get(scratch, 0.0)
 
 
-def over_budget(pid, bounds, scratch=None):
+def over_budget(pid, bounds, scratch=None, uid=0):
     """`(pids, reason)`: the session's processes, and "processes", "memory" or "scratch" when it is over that bound
-    (`bounds`: `memory` bytes and `tasks`, None where a cgroup keeps them; `scratch` bytes and `files`), else None."""
+    (`bounds`: `memory` bytes and `tasks`, None where a cgroup keeps them; `scratch` bytes and `files`), else None.
+    The scratch counts the tree and the unnamed files the processes hold open (`unnamed_file_bytes`)."""
     pids, tasks = process_tree(pid)
     if bounds.get("tasks") is not None and tasks > bounds["tasks"]:
         return pids, "processes"
     if bounds.get("memory") is not None and sum(private_resident_bytes(p) for p in pids) > bounds["memory"]:
         return pids, "memory"
     if scratch and scratch_due(scratch, start := time.monotonic()):
-        over = scratch_over(scratch, bounds["scratch"], bounds["files"])
+        with as_file_system_ids(uid if bounds.get("by_fsuid") else 0):
+            held = unnamed_file_bytes(pids)
+        over = held > bounds["scratch"] or scratch_over(scratch, bounds["scratch"] - held, bounds["files"])
         took = time.monotonic() - start
         _next_walk[scratch] = start + max(INTERVAL_S, took / WALK_SHARE) - INTERVAL_S
         if over:
@@ -120,14 +169,14 @@ def over_budget(pid, bounds, scratch=None):
 
 
 def enforce(sessions, bounds):
-    """Kills every session over its bound (`sessions`: `(pid, scratch directory or None)`), with all its processes
+    """Kills every session over its bound (`sessions`: `(pid, scratch directory or None, uid)`), with all its processes
     (without a pid namespace they would outlive it); returns `{pid: reason}` for the sessions killed."""
     killed = {}
-    live = {scratch for _, scratch in sessions}
+    live = {scratch for _, scratch, _ in sessions}
     for gone in [path for path in _next_walk if path not in live]:
         del _next_walk[gone]
-    for pid, scratch in sessions:
-        pids, reason = over_budget(pid, bounds, scratch)
+    for pid, scratch, uid in sessions:
+        pids, reason = over_budget(pid, bounds, scratch, uid)
         if reason is None:
             continue
         killed[pid] = reason

@@ -34,7 +34,9 @@ def server():
 @pytest.fixture(scope="module")
 def small():
     """A small, guarded server: 2 calls at once, a token, sessions expire after 2 s idle."""
-    srv = ServerProcess("--workers", "2", "--max-concurrency", "2", "--token", TOKEN, "--idle-s", "2")
+    srv = ServerProcess(
+        "--workers", "2", "--max-concurrency", "2", "--idle-s", "2", env={"RETOOL_SANDBOX_TOKEN": TOKEN}
+    )
     yield srv
     srv.kill()
 
@@ -216,7 +218,7 @@ def test_a_burst_over_the_bound_gets_429_and_nothing_is_lost(small):
 
 
 def test_the_token_is_required_when_set(small):
-    """A server started with `--token`: no call without it (401), /health still answers (for probes)."""
+    """A server started with a token: no call without it (401), /health still answers (for probes)."""
     assert httpx.post(f"{small.url}/run_code", json={"code": "1", "language": "python"}).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.post(f"{small.url}/sessions", json={}, headers=wrong).status_code == 401
@@ -341,6 +343,36 @@ def test_bad_settings_and_an_unsafe_host_are_one_line_errors():
     unsafe = subprocess.run([*command, "--isolation", "none"], capture_output=True, text=True, timeout=120)
     assert unsafe.returncode == 2 and "cannot start here" in unsafe.stderr
     assert len(unsafe.stderr.strip().splitlines()) == 1
+
+
+def test_a_token_on_the_command_line_is_refused_where_cells_can_read_it(tmp_path):
+    """On a level without a private /proc (`landlock`, as in a default container), a cell reads every command line:
+    a token given with --token is refused in one line before the port opens; the variable and --token-file work."""
+    import subprocess
+    import sys
+
+    from retool_trl.sandbox import LocalSandbox
+    from retool_trl.sandbox.host.zygote import SandboxStartError
+
+    try:
+        with LocalSandbox(isolation="landlock", num_workers=1, spares=0) as probe:
+            probe.isolation_report()
+    except SandboxStartError as exc:
+        pytest.skip(f"the landlock level does not run here ({str(exc).rsplit(': ', 1)[-1][:80]})")
+    command = [sys.executable, "-m", "retool_trl", "sandbox-server", "--port", "9", "--isolation", "landlock"]
+    refused = subprocess.run([*command, "--token", "s3cret"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "RETOOL_SANDBOX_TOKEN" in refused.stderr and "--token-file" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "s3cret" not in refused.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text("from-a-file\n")
+    srv = ServerProcess("--isolation", "landlock", "--token-file", str(token_file))
+    try:
+        assert httpx.get(f"{srv.url}/metrics", timeout=10).status_code == 401
+        ok = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer from-a-file"}, timeout=10)
+        assert ok.status_code == 200
+    finally:
+        srv.kill()
 
 
 def test_the_session_bound_refuses_with_429_and_frees_on_close():
