@@ -28,10 +28,10 @@ MULTITURN_DEFAULTS = {
 EMERGE_DEFAULTS = {"max_steps": 120, "lr_decay_steps": 60, "beta": 0.02, "threads": 1}
 TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS, "emerge": EMERGE_DEFAULTS}
 # The call formats the arithmetic task ships a model for (`--call-format`), and what each takes where the user sets
-# nothing: a `tool_call` completion carries the call's JSON and the template's tool turn (about 60 tokens for a sum,
-# where `tags` needs about 35).
+# nothing: one torch thread (as `emerge`), and for `tool_call` a longer budget, since its completion carries the
+# call's JSON and the template's tool turn (about 60 tokens for a sum, where `tags` needs about 35).
 CALL_FORMATS = ("tags", "markdown", "tool_call")
-FORMAT_DEFAULTS = {"tags": {}, "markdown": {}, "tool_call": {"max_completion_length": 96}}
+FORMAT_DEFAULTS = {"tags": {}, "markdown": {"threads": 1}, "tool_call": {"max_completion_length": 96, "threads": 1}}
 
 # The two runs differ only in whether code is executed.
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
