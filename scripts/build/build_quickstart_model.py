@@ -37,14 +37,20 @@ from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_sta
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--call-format", default="tags", choices=sorted(FORMAT_MODEL_DIRS), help="Call format the traces are written in."
+        "--call-format", default="tags", choices=sorted(FORMAT_MODEL_DIRS), help="Format the traces are written in."
     )
-    parser.add_argument("--output-dir", default=None, help="Where the checkpoint is saved (default: its asset folder).")
+    parser.add_argument("--output-dir", default=None, help="Where the checkpoint is saved (default: its assets folder).")
     parser.add_argument("--num-traces", type=int, default=32000, help="Synthetic SFT traces.")
     parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (cosine decay).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of data, initialisation and training.")
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        help="Continue the cold start of this checkpoint (its model and tokenizer) instead of a new model; use "
+        "another --seed than its build for new traces.",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
     return parser.parse_args()
 
@@ -65,8 +71,17 @@ def main() -> None:
         code_fraction=task.code_fraction,
         test_fraction=task.test_fraction,
     )
-    tokenizer = format_tokenizer(args.call_format, traces)
-    model = build_tiny_model(tokenizer, seed=args.seed)
+    earlier = None
+    if args.init_from:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.init_from)
+        model = AutoModelForCausalLM.from_pretrained(args.init_from)
+        with open(f"{args.init_from}/build_info.json") as f:
+            earlier = json.load(f)
+    else:
+        tokenizer = format_tokenizer(args.call_format, traces)
+        model = build_tiny_model(tokenizer, seed=args.seed)
     print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
     dataset = build_sft_dataset(traces, tokenizer, call_format=args.call_format)
     stats = masked_token_stats(dataset)
@@ -93,6 +108,8 @@ def main() -> None:
         "final_loss": final_loss,
         "build_s": round(time.perf_counter() - started, 1),
     }
+    if earlier is not None:  # the stages so far, oldest first
+        build_info["continued_from"] = [*earlier.pop("continued_from", []), earlier]
     with open(f"{output_dir}/build_info.json", "w") as f:
         json.dump(build_info, f, indent=2)
     print(f"saved to {output_dir} in {build_info['build_s']} s (final loss {final_loss:.4f})")
