@@ -76,7 +76,8 @@ def test_tool_call_tokenizer_round_trips_a_call_through_the_format():
     # The tool's answer comes back in <tool_response>, up to the next assistant header.
     (result,) = fmt.result_ids(tokenizer, [["10959\n"]])
     assert "<tool_response>\n10959" in tokenizer.decode(result) and tokenizer.decode(result).endswith("assistant\n")
-    # The shipped model writes such a call for a held-out problem, greedily.
+    # The shipped model writes such a call for a held-out problem, greedily: one call to the tool, read by the format,
+    # printing an expression.
     problems = _problems(8)
     prompts = [
         tokenizer.apply_chat_template(
@@ -84,15 +85,15 @@ def test_tool_call_tokenizer_round_trips_a_call_through_the_format():
         )
         for p in problems["prompt"]
     ]
-    copied = 0
-    for ids, expression in zip(prompts, problems["expression"]):
+    codes = []
+    for ids in prompts:
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )[0, len(ids) :].tolist()
         turn = out[: out.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in out else out
-        copied += [c.code for c in fmt.calls(turn, ids)] == [f"print({expression})"]
-    assert copied >= len(prompts) - 1
+        codes += [c.code for c in fmt.calls(turn, ids)]
+    assert len(codes) == len(prompts) and all(code.startswith("print(") for code in codes), codes
 
 
 def test_call_format_is_validated():
