@@ -27,6 +27,8 @@ MODEL_ALIASES = {
     "quickstart": "quickstart_model",
     "quickstart_multiturn": "multiturn_model",
     "quickstart_emerge": "emerge_model",
+    "quickstart_markdown": "markdown_model",
+    "quickstart_tool_call": "tool_call_model",
 }
 # `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,7 +37,8 @@ _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".safetensors", ".bin"
 
 def quickstart_model_path(name: str = "quickstart") -> str:
     """Folder of a checkpoint shipped with the package: `quickstart` (the CPU quickstart's tiny model),
-    `quickstart_multiturn` or `quickstart_emerge`. The same aliases work as `model_name_or_path` on the command line
+    `quickstart_multiturn`, `quickstart_emerge`, `quickstart_markdown` or `quickstart_tool_call`. The same aliases
+    work as `model_name_or_path` on the command line
     and as the `model` of [`~retool_trl.ReToolTrainer`].
 
     Raises:
@@ -45,7 +48,12 @@ def quickstart_model_path(name: str = "quickstart") -> str:
         raise UserError(f"unknown shipped model {name!r}: expected one of {', '.join(MODEL_ALIASES)}.")
     folder = ASSETS / MODEL_ALIASES[name]
     if not (folder / "config.json").is_file():
-        script = f"build_{'quickstart' if name == 'quickstart' else name.removeprefix('quickstart_')}_model.py"
+        short = name.removeprefix("quickstart_")
+        script = (
+            f"build_quickstart_model.py --call-format {short}"
+            if short in ("markdown", "tool_call")
+            else f"build_{'quickstart' if name == 'quickstart' else short}_model.py"
+        )
         raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/build/{script}`.")
     return str(folder)
 

@@ -60,6 +60,73 @@ def build_char_tokenizer(tags: tuple[str, str, str, str] = tuple(vars(Tags()).va
     )
 
 
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+def build_chat_tokenizer(
+    texts, vocab_size: int = 1024, chat_template: str | None = None, model_max_length: int = 1024
+):
+    """A small Qwen2.5-style chat tokenizer: a byte-level BPE of `vocab_size` tokens trained on `texts` with Qwen2's
+    pre-tokenizer (digits stay single tokens, so copying numbers stays easy), Qwen's special tokens
+    (`<|endoftext|>` pad, `<|im_start|>`, `<|im_end|>` EOS) and its tool tags as added tokens, and TRL's Qwen2.5 chat
+    template (`trl/chat_templates/qwen2_5.jinja`) by default.
+
+    Trained on the rendered conversations of a task, the template's constant text (the tool schema in the system
+    turn, the call's JSON keys) compresses into whole-word tokens: a prompt is a few hundred tokens, not the ~900
+    characters it renders to.
+
+    Args:
+        texts (iterable of `str`): Rendered conversations to train the merges on.
+        vocab_size (`int`): Vocabulary size (bytes, merges and the added tokens).
+        chat_template (`str`, *optional*): Jinja chat template (default: TRL's `qwen2_5`).
+        model_max_length (`int`): Longest sequence the model handles.
+
+    Returns:
+        `PreTrainedTokenizerFast` with `pad_token`, `eos_token` and `chat_template` set.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Qwen2's own pre-tokenizer (single digits, words with their leading space): `AutoTokenizer` loads a `qwen2`
+    # checkpoint as `Qwen2Tokenizer`, which rebuilds it around the saved vocabulary, so the merges are learnt with it.
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    if chat_template is None:
+        from trl.chat_template_utils import qwen2_5_chat_template as chat_template
+    backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    special = [AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(CHAT_ADDED_TOKENS),
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The special and added tokens are cut out of the texts: the merges are learnt on what lies between them.
+    pieces = list(texts)
+    for token in (*CHAT_SPECIAL_TOKENS, *CHAT_ADDED_TOKENS):
+        pieces = [part for text in pieces for part in text.split(token)]
+    backend.train_from_iterator(pieces, trainer=trainer)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_ADDED_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=CHAT_SPECIAL_TOKENS[0],
+        eos_token=CHAT_SPECIAL_TOKENS[2],
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def build_tiny_model(
     tokenizer,
     hidden_size: int = 128,
@@ -163,6 +230,7 @@ __all__ = [
     "PAD_TOKEN",
     "ScriptForcingProcessor",
     "build_char_tokenizer",
+    "build_chat_tokenizer",
     "build_tiny_model",
     "save_tiny_model",
     "script_turns",

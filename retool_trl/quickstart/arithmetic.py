@@ -8,6 +8,7 @@ arithmetic in its head, which is what the quickstart's RL runs then show.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
@@ -15,11 +16,54 @@ from ..reporting.panels import ARITHMETIC_PANELS
 from .plan import RUNS, QuickstartArguments, TaskPlan
 
 QUICKSTART_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart"]
+# The shipped arithmetic model of each call format (`--call-format`): the same task, traces and architecture.
+FORMAT_MODELS = {"tags": "quickstart", "markdown": "quickstart_markdown", "tool_call": "quickstart_tool_call"}
+FORMAT_MODEL_DIRS = {name: ASSETS / MODEL_ALIASES[alias] for name, alias in FORMAT_MODELS.items()}
+# The fences as single tokens of the markdown model's character-level tokenizer (in place of the four tags), so
+# that a call and its answer cost about as many tokens as in `tags`.
+MARKDOWN_TOKENS = ("```python\n", "```output\n", "```\n")
 
 
-def model_path() -> str:
-    """Folder of the shipped quickstart model (load it with `from_pretrained`)."""
-    return quickstart_model_path("quickstart")
+def model_path(call_format: str = "tags") -> str:
+    """Folder of the shipped quickstart model of `call_format` (load it with `from_pretrained`)."""
+    return quickstart_model_path(FORMAT_MODELS[call_format])
+
+
+def format_tokenizer(call_format: str, traces=None):
+    """The tokenizer a format's quickstart model is built with: the character-level one (`tags`; `markdown` with its
+    fences as tokens), or for `tool_call` a small chat vocabulary trained on `traces` rendered in the format."""
+    from ..models.tiny import build_char_tokenizer, build_chat_tokenizer
+
+    if call_format == "tags":
+        return build_char_tokenizer()
+    if call_format == "markdown":
+        return build_char_tokenizer(tags=MARKDOWN_TOKENS)
+    if call_format != "tool_call":
+        raise ValueError(f"no quickstart model is built for call format {call_format!r}.")
+    from ..format.tool_calls import TOOLS, to_tool_messages
+
+    template = build_chat_tokenizer(["x"], vocab_size=300)  # renders the conversations the vocabulary is trained on
+    texts = (
+        template.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}, *to_tool_messages(row["completion"])],
+            tools=TOOLS,
+            tokenize=False,
+        )
+        for row in traces.select(range(min(len(traces), 4000)))
+    )
+    return build_chat_tokenizer(texts)
+
+
+def record_format(folder, call_format: str) -> None:
+    """Writes `folder/retool_prompt.json` for a quickstart model: its call format and how its prompts were built
+    (no system prompt; conversations for `tool_call`, whose tool schema only a conversation carries)."""
+    from types import SimpleNamespace
+
+    from ..format.prompts import write_prompt_settings
+
+    prompt = [{"role": "user", "content": ""}] if call_format == "tool_call" else ""
+    settings = SimpleNamespace(system_prompt="none", call_format=call_format)
+    write_prompt_settings(folder, settings, [{"prompt": prompt}])
 
 
 @dataclass
@@ -63,8 +107,32 @@ def arithmetic_table(summary: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
+def step_curves(history: Sequence[dict]) -> dict:
+    """Per GRPO step, the code ratio and accuracy of the training samples (from TRL's `log_history`)."""
+    from ..reporting.run_logs import accuracy_of
+
+    steps = [h for h in history if "retool/code_ratio" in h]
+    return {
+        "step_code_ratio": [h["retool/code_ratio"] for h in steps],
+        "step_accuracy": [accuracy_of(h) for h in steps],
+    }
+
+
+def arithmetic_summarize(results: dict, histories: Mapping[str, Sequence[dict]]) -> None:
+    """Adds to each run's summary its per-step curves (the seeds' plot draws them)."""
+    for name in RUNS:
+        results[name].update(step_curves(histories[name]))
+
+
+def as_conversations(dataset):
+    """The problems' prompts as one user message each: a `tool_call` model's template renders the tool schema into
+    conversations only."""
+    return dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+
+
 def arithmetic_plan(args: QuickstartArguments) -> TaskPlan:
-    """The arithmetic task's part of `run_quickstart`: its problems and the shipped (or given) checkpoint."""
+    """The arithmetic task's part of `run_quickstart`: its problems and the shipped (or given) checkpoint of the
+    run's call format."""
     from ..data.synthetic import make_splits
 
     task = QuickstartTask()
@@ -76,4 +144,13 @@ def arithmetic_plan(args: QuickstartArguments) -> TaskPlan:
         kinds=task.kinds,
         test_fraction=task.test_fraction,
     )
-    return TaskPlan(task, args.model or model_path(), splits, panels=ARITHMETIC_PANELS, table=arithmetic_table)
+    if args.call_format == "tool_call":
+        splits = {name: as_conversations(split) for name, split in splits.items()}
+    return TaskPlan(
+        task,
+        args.model or model_path(args.call_format),
+        splits,
+        panels=ARITHMETIC_PANELS,
+        table=arithmetic_table,
+        summarize=arithmetic_summarize,
+    )

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
 from ..reporting.panels import Panel
 from ..reporting.run_logs import accuracy_of
-from .arithmetic import arithmetic_table
+from .arithmetic import arithmetic_table, step_curves
 from .plan import RUNS, TaskPlan
 
 EMERGE_MODEL_DIR = ASSETS / MODEL_ALIASES["quickstart_emerge"]
@@ -46,15 +46,6 @@ class EmergeTask:
     kinds: list[str] = field(default_factory=lambda: ["product", "sum", "mod"], metadata={"help": "Problem kinds."})
     test_fraction: float = field(default=0.2, metadata={"help": "Share of problems held out for evaluation."})
     code_fraction: float = field(default=0.025, metadata={"help": "Share of cold-start traces that call code."})
-
-
-def step_curves(history: Sequence[dict]) -> dict:
-    """Per GRPO step, the code ratio and accuracy of the training samples (from TRL's `log_history`)."""
-    steps = [h for h in history if "retool/code_ratio" in h]
-    return {
-        "step_code_ratio": [h["retool/code_ratio"] for h in steps],
-        "step_accuracy": [accuracy_of(h) for h in steps],
-    }
 
 
 def passed_half(ratios: Sequence[float]) -> int | None:

@@ -27,6 +27,11 @@ MULTITURN_DEFAULTS = {
 # habit (at 0.2 it balances the reward's push at about 90% code).
 EMERGE_DEFAULTS = {"max_steps": 120, "lr_decay_steps": 60, "beta": 0.02, "threads": 1}
 TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS, "emerge": EMERGE_DEFAULTS}
+# The call formats the arithmetic task ships a model for (`--call-format`), and what each takes where the user sets
+# nothing: one torch thread (as `emerge`), and for `tool_call` a longer budget, since its completion carries the
+# call's JSON and the template's tool turn (about 60 tokens for a sum, where `tags` needs about 35).
+CALL_FORMATS = ("tags", "markdown", "tool_call")
+FORMAT_DEFAULTS = {"tags": {}, "markdown": {"threads": 1}, "tool_call": {"max_completion_length": 96, "threads": 1}}
 
 # The two runs differ only in whether code is executed.
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
@@ -45,7 +50,11 @@ class QuickstartArguments:
         task (`str`): `arithmetic` (one code call per answer), `multiturn` (dependent cells under a per-cell
             length budget, and recovery from a failing cell; see `retool_trl.quickstart.multiturn`) or `emerge` (the
             arithmetic task from a checkpoint that almost never calls code; see `retool_trl.quickstart.emerge`).
-        model (`str`, *optional*): Checkpoint to start from; the shipped quickstart model by default.
+        call_format (`str`): How the model calls the interpreter (arithmetic task): `tags` (`<code>` tags),
+            `markdown` (```` ```python ```` blocks) or `tool_call` (a chat model's `<tool_call>` JSON); each has its
+            own shipped model, cold-started on the same traces written in that format.
+        model (`str`, *optional*): Checkpoint to start from; the shipped quickstart model (of `call_format`) by
+            default.
         max_steps (`int`): GRPO steps of each run.
         prompts_per_step (`int`): Problems per GRPO step.
         num_generations (`int`): Samples per problem (GRPO group size).
@@ -68,6 +77,9 @@ class QuickstartArguments:
 
     output_dir: str = field(default="retool_quickstart", metadata={"help": "Run folder."})
     task: str = field(default="arithmetic", metadata={"help": "Task: 'arithmetic', 'multiturn' or 'emerge'."})
+    call_format: str = field(
+        default="tags", metadata={"help": "Call format: 'tags', 'markdown' or 'tool_call' (arithmetic task)."}
+    )
     model: str | None = field(default=None, metadata={"help": "Starting checkpoint (default: the shipped model)."})
     max_steps: int = field(default=50, metadata={"help": "GRPO steps of each run."})
     prompts_per_step: int = field(default=8, metadata={"help": "Problems per GRPO step."})
@@ -87,6 +99,13 @@ class QuickstartArguments:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
+        if self.call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {self.call_format!r}.")
+        if self.call_format != "tags" and self.task != "arithmetic":
+            raise ValueError(
+                f"call_format {self.call_format!r} is shipped for the arithmetic task only; the {self.task} task "
+                "uses 'tags'."
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}.")
         if self.lr_decay_steps < 0:
@@ -139,6 +158,7 @@ def rl_config(args: QuickstartArguments, run_dir: Path, with_tools: bool, max_to
         beta=args.beta,
         max_completion_length=args.max_completion_length,
         max_tool_calls=max_tool_calls if with_tools else 0,
+        call_format=args.call_format,
         max_interpreter_output_chars=64,
         system_prompt="none",  # the model was cold-started on plain prompts
         sandbox_workers=2,
@@ -192,14 +212,16 @@ def quickstart_parser(parser_class):
         text = f.metadata["help"]
         if "(default:" not in text:  # a help that says its default in words keeps its own
             default = f"{f.default}" + "".join(
-                f"; {task}: {values[f.name]}" for task, values in TASK_DEFAULTS.items() if f.name in values
+                f"; {task}: {values[f.name]}"
+                for task, values in {**TASK_DEFAULTS, **FORMAT_DEFAULTS}.items()
+                if f.name in values
             )
             text += f" (default: {default})"
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=kind,
             default=None,
-            choices=TASKS if f.name == "task" else None,
+            choices={"task": TASKS, "call_format": CALL_FORMATS}.get(f.name),
             help=text,
         )
     parser.add_argument(

@@ -16,7 +16,15 @@ from ..reporting.plotting import hardware, plot_comparison
 from .arithmetic import arithmetic_plan
 from .emerge import emerge_plan
 from .multiturn import multiturn_plan
-from .plan import EMERGE_DEFAULTS, MULTITURN_DEFAULTS, RUNS, QuickstartArguments, quickstart_parser, rl_config
+from .plan import (
+    EMERGE_DEFAULTS,
+    FORMAT_DEFAULTS,
+    MULTITURN_DEFAULTS,
+    RUNS,
+    QuickstartArguments,
+    quickstart_parser,
+    rl_config,
+)
 from .seeds import parse_seeds, run_seeds
 
 # Each task: the function that builds its `TaskPlan`, and the `QuickstartArguments` values it takes where the user
@@ -130,7 +138,7 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     from ..sandbox.factory import sandbox_from_config
 
     make_plan, defaults = PLANS.get(kwargs.get("task", "arithmetic"), PLANS["arithmetic"])
-    kwargs = {**defaults, **kwargs}
+    kwargs = {**defaults, **FORMAT_DEFAULTS.get(kwargs.get("call_format", "tags"), {}), **kwargs}
     args = QuickstartArguments(output_dir=str(output_dir), **kwargs)
     started = time.perf_counter()
     out = Path(args.output_dir)
@@ -156,11 +164,12 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     if plan.summarize is not None:
         plan.summarize(results, histories)
     title = (
-        f"quickstart, task {args.task}: GRPO with the interpreter (tool_rl) vs text only (text_rl) · model "
-        f"{Path(start).name} · seed {args.seed}"
+        f"quickstart, task {args.task}, format {args.call_format}: GRPO with the interpreter (tool_rl) vs text only "
+        f"(text_rl) · model {Path(start).name} · seed {args.seed}"
     )
     footer = (
-        f"retool-trl quickstart --task {args.task} --max-steps {args.max_steps} ({args.prompts_per_step} problems x "
+        f"retool-trl quickstart --task {args.task} --call-format {args.call_format} --max-steps {args.max_steps} "
+        f"({args.prompts_per_step} problems x "
         f"{args.num_generations} samples per step; held-out: {args.num_eval} problems) on {hardware()}."
     )
     if plan.plot is not None:
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds = parse_seeds(seeds)
             options.pop("seed", None)
         defaults = PLANS.get(options.get("task", "arithmetic"), PLANS["arithmetic"])[1]
+        defaults = {**defaults, **FORMAT_DEFAULTS.get(options.get("call_format", "tags"), {})}
         QuickstartArguments(**{**defaults, **options})  # bad values are reported before any work starts
     except ValueError as error:
         raise UserError(str(error)) from None

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Runs a CPU quickstart once per seed and records each seed's figures in `scripts/results/quickstart_<task>.jsonl`.
+"""Runs a CPU quickstart once per seed and records each seed's figures in `scripts/results/quickstart_<task>.jsonl`
+(`quickstart_<format>.jsonl` for the arithmetic task in another call format than `tags`).
 
 One JSON line per seed (the run folder's `summary.json` figures: held-out accuracy and code ratio before and after,
 the per-step code ratio and accuracy of the training samples, `step_code_ratio_passed_50`, wall time, settings) with
 the conditions it was measured under (`results_log`). `scripts/render/render_figures.py` renders the docs' five-seed
-table and plot of the emergence quickstart from these lines. Seeds run one after the other.
+tables and plots of the emergence quickstart and of each call format from these lines. Seeds run one after the other.
 
     python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0-4 [--output-dir runs/emerge_seeds]
+    python scripts/experiments/quickstart_seeds.py --task arithmetic --call-format markdown --seeds 0-4
     python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0 --model DIR --label no_code  # a variant
 """
 
@@ -62,6 +64,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="Starting checkpoint (default: the task's shipped one).")
     parser.add_argument("--label", default="shipped", help="What the line measures ('shipped': the task as shipped).")
     parser.add_argument("--max-steps", type=int, default=None, help="GRPO steps (default: the task's).")
+    parser.add_argument(
+        "--call-format", default="tags", help="Call format of the arithmetic task: tags, markdown or tool_call."
+    )
     results_log.add_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -73,8 +78,11 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
-    out = Path(args.output_dir or f"runs/{args.task}")
+    name = args.task if args.call_format == "tags" else args.call_format
+    out = Path(args.output_dir or f"runs/{name}")
     options = {"task": args.task}
+    if args.call_format != "tags":
+        options["call_format"] = args.call_format
     if args.model:
         options["model"] = args.model
     if args.max_steps:
@@ -83,7 +91,7 @@ def main(argv=None) -> int:
         run = results_log.conditions()
         summary = run_quickstart(out / f"seed{seed}", seed=seed, **options)
         results_log.record(
-            f"quickstart_{args.task}", figures_of(summary, seed, args.label), run, enabled=not args.no_record
+            f"quickstart_{name}", figures_of(summary, seed, args.label), run, enabled=not args.no_record
         )
     return 0
 

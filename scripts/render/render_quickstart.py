@@ -1,9 +1,11 @@
-"""The emergence quickstart's figures in docs/quickstart.md, from `scripts/results/quickstart_emerge.jsonl`.
+"""The quickstarts' seed tables and plots in docs/quickstart.md, from `scripts/results/quickstart_<name>.jsonl`:
+the emergence quickstart (`quickstart_emerge`) and the arithmetic quickstart in each call format other than `tags`
+(`quickstart_markdown`, `quickstart_tool_call`).
 
-`scripts/experiments/quickstart_seeds.py --task emerge` appends one line per seed. The table uses, per seed, the newest
-line labelled `shipped` measured with the same settings as the newest such line (so a re-tuned recipe replaces the old
-seeds instead of mixing with them); the no-code control is the newest `no_code` line per seed. The plot
-(`quickstart_emerge_seeds.png`, the same drawing as a run folder's) is redrawn from the same lines.
+`scripts/experiments/quickstart_seeds.py` appends one line per seed. A table uses, per seed, the newest line labelled
+`shipped` measured with the same settings as the newest such line (so a re-tuned recipe replaces the old seeds
+instead of mixing with them); the emergence no-code control is the newest `no_code` line per seed. Each plot
+(`<benchmark>_seeds.png`, the same drawing as the emergence run folder's) is redrawn from the same lines.
 `scripts/render/render_figures.py` calls `blocks` and `draw`.
 """
 
@@ -18,11 +20,19 @@ import results_log  # noqa: E402
 BENCHMARK = "quickstart_emerge"
 PLOT = "quickstart_emerge_seeds.png"
 COMMAND = "python scripts/experiments/quickstart_seeds.py --task emerge --seeds 0-4"
+# The arithmetic quickstart in the other call formats: benchmark -> (call format, the command that records it).
+FORMATS = {
+    f"quickstart_{name}": (
+        name,
+        f"python scripts/experiments/quickstart_seeds.py --task arithmetic --call-format {name} --seeds 0-4",
+    )
+    for name in ("markdown", "tool_call")
+}
 
 
-def _chosen(directory: Path, label: str) -> list[tuple[int, dict]]:
+def _chosen(directory: Path, label: str, benchmark: str = BENCHMARK) -> list[tuple[int, dict]]:
     """(line number, line) of the newest line per seed with `label`, all measured with the newest one's settings."""
-    lines = [(n, line) for n, line in enumerate(results_log.read(BENCHMARK, directory), 1) if line["label"] == label]
+    lines = [(n, line) for n, line in enumerate(results_log.read(benchmark, directory), 1) if line["label"] == label]
     if not lines:
         return []
     settings = lines[-1][1]["settings"]
@@ -57,7 +67,21 @@ ROWS = (
 )
 
 
-def _provenance(chosen: list[tuple[int, dict]]) -> str:
+FORMAT_ROWS = (
+    ("tool_rl", "held-out accuracy before", "accuracy_before", _pct),
+    ("tool_rl", "held-out accuracy after", "accuracy_after", _pct),
+    ("tool_rl", "held-out code ratio before", "code_ratio_before", _pct),
+    ("tool_rl", "held-out code ratio after", "code_ratio_after", _pct),
+    ("text_rl", "held-out accuracy before", "accuracy_before", _pct),
+    ("text_rl", "held-out accuracy after", "accuracy_after", _pct),
+    ("text_rl", "held-out code ratio after (calls run; none can)", "code_ratio_after", _pct),
+    ("tool_rl", "training time (s)", "train_s", _count),
+    ("text_rl", "training time (s)", "train_s", _count),
+    (None, "whole command, both runs (s)", "wall_s", _count),
+)
+
+
+def _provenance(chosen: list[tuple[int, dict]], benchmark: str = BENCHMARK) -> str:
     notes = []
     for n, line in chosen:
         run = line["run"]
@@ -69,7 +93,7 @@ def _provenance(chosen: list[tuple[int, dict]]) -> str:
         after = run.get("load_avg_after")
         where += f", after {after[0]:.1f}" if load and after else ""
         notes.append(where)
-    return f"Source: `scripts/results/{BENCHMARK}.jsonl`, " + "; ".join(notes) + "."
+    return f"Source: `scripts/results/{benchmark}.jsonl`, " + "; ".join(notes) + "."
 
 
 def _table(chosen: list[tuple[int, dict]], rows) -> str:
@@ -111,13 +135,45 @@ def blocks(directory: Path) -> dict[str, str]:
         )
     else:
         rendered[f"{BENCHMARK}_no_code"] = "No no-code control recorded yet."
+    for benchmark, (_, command) in FORMATS.items():
+        chosen = _chosen(directory, "shipped", benchmark)
+        rendered[benchmark] = (
+            _table(chosen, FORMAT_ROWS) + "\n\n" + _provenance(chosen, benchmark)
+            if chosen
+            else f"No run recorded yet: run `{command}`."
+        )
     return rendered
 
 
-def draw(directory: Path) -> Path | None:
-    """Redraws `PLOT` from the chosen `shipped` lines (nothing when there are none)."""
+def draw_formats(directory: Path) -> list[Path]:
+    """Redraws each call format's `<benchmark>_seeds.png` from its chosen `shipped` lines (those recorded)."""
     from retool_trl.quickstart.emerge import plot_emergence
 
+    drawn = []
+    for benchmark, (name, command) in FORMATS.items():
+        shipped = _chosen(directory, "shipped", benchmark)
+        if not shipped:
+            continue
+        seeds = [line["seed"] for _, line in shipped]
+        steps = shipped[-1][1]["settings"].get("max_steps")
+        drawn.append(
+            plot_emergence(
+                {line["seed"]: line for _, line in shipped},
+                directory / f"{benchmark}_seeds.png",
+                f"arithmetic quickstart, call format {name}, seeds {','.join(map(str, seeds))}: tool_rl vs text_rl "
+                f"from the same checkpoint ({steps} GRPO steps each)",
+                f"{command} on CPU, {shipped[-1][1]['run'].get('cpu_count')} cores (from {benchmark}.jsonl)",
+            )
+        )
+    return drawn
+
+
+def draw(directory: Path) -> Path | None:
+    """Redraws `PLOT` from the chosen `shipped` lines (nothing when there are none), and each call format's plot
+    ([`draw_formats`])."""
+    from retool_trl.quickstart.emerge import plot_emergence
+
+    draw_formats(directory)
     shipped = _chosen(directory, "shipped")
     if not shipped:
         return None
