@@ -30,6 +30,14 @@ MODEL_ALIASES = {
     "quickstart_markdown": "markdown_model",
     "quickstart_tool_call": "tool_call_model",
 }
+# The command (under scripts/build/) that rebuilds each shipped model.
+MODEL_BUILDS = {
+    "quickstart": "build_quickstart_model.py",
+    "quickstart_multiturn": "build_multiturn_model.py",
+    "quickstart_emerge": "build_emerge_model.py",
+    "quickstart_markdown": "build_quickstart_model.py --call-format markdown",
+    "quickstart_tool_call": "build_quickstart_model.py --call-format tool_call",
+}
 # `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".safetensors", ".bin", ".yaml", ".yml")
@@ -48,13 +56,9 @@ def quickstart_model_path(name: str = "quickstart") -> str:
         raise UserError(f"unknown shipped model {name!r}: expected one of {', '.join(MODEL_ALIASES)}.")
     folder = ASSETS / MODEL_ALIASES[name]
     if not (folder / "config.json").is_file():
-        short = name.removeprefix("quickstart_")
-        script = (
-            f"build_quickstart_model.py --call-format {short}"
-            if short in ("markdown", "tool_call")
-            else f"build_{'quickstart' if name == 'quickstart' else short}_model.py"
+        raise UserError(
+            f"the {name} model is missing from {folder}; rebuild it with `python scripts/build/{MODEL_BUILDS[name]}`."
         )
-        raise UserError(f"the {name} model is missing from {folder}; rebuild it with `python scripts/build/{script}`.")
     return str(folder)
 
 

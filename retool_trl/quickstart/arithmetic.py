@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..format.registry import get_format
 from ..models.names import ASSETS, MODEL_ALIASES, quickstart_model_path
 from ..reporting.panels import ARITHMETIC_PANELS
 from .plan import RUNS, QuickstartArguments, TaskPlan
@@ -32,15 +33,27 @@ def model_path(call_format: str = "tags") -> str:
 def format_tokenizer(call_format: str, traces=None):
     """The tokenizer a format's quickstart model is built with: the character-level one (`tags`; `markdown` with its
     fences as tokens), or for `tool_call` a small chat vocabulary trained on `traces` rendered in the format."""
-    from ..models.tiny import build_char_tokenizer, build_chat_tokenizer
-
-    if call_format == "tags":
-        return build_char_tokenizer()
-    if call_format == "markdown":
-        return build_char_tokenizer(tags=MARKDOWN_TOKENS)
-    if call_format != "tool_call":
+    build = _TOKENIZERS.get(call_format)
+    if build is None:
         raise ValueError(f"no quickstart model is built for call format {call_format!r}.")
+    return build(traces)
+
+
+def _char_tokenizer(traces=None):
+    from ..models.tiny import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def _fenced_char_tokenizer(traces=None):
+    from ..models.tiny import build_char_tokenizer
+
+    return build_char_tokenizer(tags=MARKDOWN_TOKENS)
+
+
+def _chat_tokenizer(traces):
     from ..format.tool_calls import TOOLS, to_tool_messages
+    from ..models.tiny import build_chat_tokenizer
 
     template = build_chat_tokenizer(["x"], vocab_size=300)  # renders the conversations the vocabulary is trained on
     texts = (
@@ -54,14 +67,18 @@ def format_tokenizer(call_format: str, traces=None):
     return build_chat_tokenizer(texts)
 
 
+_TOKENIZERS = {"tags": _char_tokenizer, "markdown": _fenced_char_tokenizer, "tool_call": _chat_tokenizer}
+
+
 def record_format(folder, call_format: str) -> None:
     """Writes `folder/retool_prompt.json` for a quickstart model: its call format and how its prompts were built
     (no system prompt; conversations for `tool_call`, whose tool schema only a conversation carries)."""
     from types import SimpleNamespace
 
     from ..format.prompts import write_prompt_settings
+    from ..format.registry import get_format
 
-    prompt = [{"role": "user", "content": ""}] if call_format == "tool_call" else ""
+    prompt = [{"role": "user", "content": ""}] if get_format(call_format).tools else ""
     settings = SimpleNamespace(system_prompt="none", call_format=call_format)
     write_prompt_settings(folder, settings, [{"prompt": prompt}])
 
@@ -144,7 +161,7 @@ def arithmetic_plan(args: QuickstartArguments) -> TaskPlan:
         kinds=task.kinds,
         test_fraction=task.test_fraction,
     )
-    if args.call_format == "tool_call":
+    if get_format(args.call_format).tools:  # its chat template writes the tools into conversations only
         splits = {name: as_conversations(split) for name, split in splits.items()}
     return TaskPlan(
         task,

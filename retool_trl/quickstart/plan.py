@@ -30,8 +30,8 @@ TASK_DEFAULTS = {"arithmetic": {}, "multiturn": MULTITURN_DEFAULTS, "emerge": EM
 # The call formats the arithmetic task ships a model for (`--call-format`), and what each takes where the user sets
 # nothing: one torch thread (as `emerge`), and for `tool_call` a longer budget, since its completion carries the
 # call's JSON and the template's tool turn (about 60 tokens for a sum, where `tags` needs about 35).
-CALL_FORMATS = ("tags", "markdown", "tool_call")
 FORMAT_DEFAULTS = {"tags": {}, "markdown": {"threads": 1}, "tool_call": {"max_completion_length": 96, "threads": 1}}
+CALL_FORMATS = tuple(FORMAT_DEFAULTS)  # the first (the default format) is shipped for every task
 
 # The two runs differ only in whether code is executed.
 RUNS = {"tool_rl": "GRPO with the interpreter", "text_rl": "GRPO without it (text only)"}
@@ -101,7 +101,7 @@ class QuickstartArguments:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
         if self.call_format not in CALL_FORMATS:
             raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {self.call_format!r}.")
-        if self.call_format != "tags" and self.task != "arithmetic":
+        if self.call_format != CALL_FORMATS[0] and self.task != "arithmetic":
             raise ValueError(
                 f"call_format {self.call_format!r} is shipped for the arithmetic task only; the {self.task} task "
                 "uses 'tags'."
