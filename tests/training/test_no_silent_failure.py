@@ -248,7 +248,13 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"message": message, "steps": trainer.state.global_step}, f)
 # As PyTorch asks of a script before it exits: left to the interpreter's exit, gloo's threads can abort it (SIGABRT,
 # "terminate called without an active exception"), and torchrun reports the run failed after both ranks stopped.
+# Both ranks tear down together (a rank that destroyed its group while the other was still in it aborted that one in
+# a container run), and the results are written: nothing is left for the interpreter's own teardown to do.
+dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
