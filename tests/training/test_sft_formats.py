@@ -44,12 +44,18 @@ def test_traces_convert_to_markdown_and_tool_messages():
     ]
 
 
-def test_markdown_sft_ids_are_the_rollouts():
+# A trace written for people: the output framed in blank lines, which the sandbox never prints.
+FRAMED_TRACE = TRACE.replace("<interpreter>42\n</interpreter>", "<interpreter>\n42\n\n</interpreter>")
+
+
+@pytest.mark.parametrize("trace", [TRACE, FRAMED_TRACE], ids=["as-printed", "framed-in-blank-lines"])
+def test_markdown_sft_ids_are_the_rollouts(trace):
     """The converted trace, tokenized for SFT, is token for token the rollout of a policy writing it, with the loss
-    mask exactly where the interpreter mask is 1."""
+    mask exactly where the interpreter mask is 1, whether the trace shows the output as printed or framed in blank
+    lines (released ReTool-style traces)."""
     tokenizer = make_char_tokenizer()
     sft = build_sft_dataset(
-        Dataset.from_list([{"prompt": "Q:", "completion": TRACE}]), tokenizer, call_format="markdown"
+        Dataset.from_list([{"prompt": "Q:", "completion": trace}]), tokenizer, call_format="markdown"
     )
     written = "Let me compute.\n```python\nx = 6 * 7\nprint(x)\n```\nSo \\boxed{42}"
     prompt = tokenizer("Q:")["input_ids"]
@@ -67,14 +73,15 @@ def test_markdown_sft_ids_are_the_rollouts():
 def test_tool_call_sft_ids_are_the_rollouts():
     """With Qwen's real vocabulary and TRL's Qwen2.5 template: the trace as tool calls and tool messages, tokenized
     for SFT, is what the rollout builds when the policy makes those calls; assistant turns (their end-of-turn token
-    included) are trained, the template's tool messages are not."""
+    included) are trained, the template's tool messages are not. The second output is framed in blank lines, as
+    traces written for people show it: the tool message holds what the sandbox prints, as in the rollout."""
     from helpers.qwen_vocab import qwen_tokenizer, tool_prompt, with_template
     from retool_trl.format.tool_calls import ToolCallFormat
 
     tokenizer = with_template(qwen_tokenizer(), "qwen2_5")
     trace = (
         "I will compute it.<code>a = 6 * 7</code><interpreter></interpreter><code>print(a)</code>\n"
-        "<interpreter>42\n</interpreter>The result is \\boxed{42}."
+        "<interpreter>\n42\n\n</interpreter>The result is \\boxed{42}."
     )
     rows = [{"prompt": [{"role": "user", "content": "What is 6*7?"}], "completion": trace}]
     sft = build_sft_dataset(Dataset.from_list(rows), tokenizer, call_format="tool_call")
