@@ -30,13 +30,20 @@ MODEL_ALIASES = {
     "quickstart_markdown": "markdown_model",
     "quickstart_tool_call": "tool_call_model",
 }
-# The command (under scripts/build/) that rebuilds each shipped model.
+# The commands (under scripts/build/, run in order) that rebuild each shipped model. The `tool_call` model's cold
+# start ran in stages, each continuing the last on new traces (`build_info.json` records them): its copying of digits
+# across the template's long system turn came only after the first stage had been judged too short.
+_TOOL_CALL_STAGE = "build_quickstart_model.py --call-format tool_call --init-from retool_trl/assets/tool_call_model"
 MODEL_BUILDS = {
-    "quickstart": "build_quickstart_model.py",
-    "quickstart_multiturn": "build_multiturn_model.py",
-    "quickstart_emerge": "build_emerge_model.py",
-    "quickstart_markdown": "build_quickstart_model.py --call-format markdown",
-    "quickstart_tool_call": "build_quickstart_model.py --call-format tool_call",
+    "quickstart": ("build_quickstart_model.py",),
+    "quickstart_multiturn": ("build_multiturn_model.py",),
+    "quickstart_emerge": ("build_emerge_model.py",),
+    "quickstart_markdown": ("build_quickstart_model.py --call-format markdown",),
+    "quickstart_tool_call": (
+        "build_quickstart_model.py --call-format tool_call --num-traces 9600 --max-steps 600 --learning-rate 2e-3",
+        f"{_TOOL_CALL_STAGE} --seed 1 --num-traces 22400 --max-steps 1400 --learning-rate 1e-3",
+        f"{_TOOL_CALL_STAGE} --seed 2 --num-traces 16000 --max-steps 1000 --learning-rate 5e-4",
+    ),
 }
 # `org/name` with the characters the Hub allows (a legacy id without `org/` is refused: see `check_hub_id`).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -57,7 +64,9 @@ def quickstart_model_path(name: str = "quickstart") -> str:
     folder = ASSETS / MODEL_ALIASES[name]
     if not (folder / "config.json").is_file():
         raise UserError(
-            f"the {name} model is missing from {folder}; rebuild it with `python scripts/build/{MODEL_BUILDS[name]}`."
+            f"the {name} model is missing from {folder}; rebuild it with "
+            + ", then ".join(f"`python scripts/build/{command}`" for command in MODEL_BUILDS[name])
+            + "."
         )
     return str(folder)
 

@@ -34,12 +34,14 @@ from retool_trl.quickstart.arithmetic import FORMAT_MODEL_DIRS, format_tokenizer
 from retool_trl.sft import build_sft_dataset, masked_token_stats, train_cold_start
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--call-format", default="tags", choices=sorted(FORMAT_MODEL_DIRS), help="Format the traces are written in."
     )
-    parser.add_argument("--output-dir", default=None, help="Where the checkpoint is saved (default: its assets folder).")
+    parser.add_argument(
+        "--output-dir", default=None, help="Where the checkpoint is saved (default: its assets folder)."
+    )
     parser.add_argument("--num-traces", type=int, default=32000, help="Synthetic SFT traces.")
     parser.add_argument("--max-steps", type=int, default=2000, help="SFT optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=16, help="Traces per step.")
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
         "another --seed than its build for new traces.",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:

@@ -38,6 +38,39 @@ def test_shipped_model_is_small_and_records_its_format(call_format):
     assert json.loads((path / "build_info.json").read_text())["call_format"] == call_format
 
 
+@pytest.mark.parametrize("call_format", ("tags", *FORMATS))
+def test_the_rebuild_commands_are_the_recorded_build(call_format):
+    """The commands the docs and the missing-model error give (`MODEL_BUILDS`) are the stages the shipped model was
+    built in, flag for flag (`build_info.json`, earlier stages in `continued_from`): a user who runs them gets the
+    same training, not a shorter or different one."""
+    import importlib.util
+    import shlex
+
+    from retool_trl.models.names import MODEL_BUILDS
+    from retool_trl.quickstart.arithmetic import FORMAT_MODELS
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("build_qs", root / "scripts/build/build_quickstart_model.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    info = json.loads((Path(model_path(call_format)) / "build_info.json").read_text())
+    stages = [*info.pop("continued_from", []), info]
+    commands = MODEL_BUILDS[FORMAT_MODELS[call_format]]
+    assert len(commands) == len(stages)
+    for command, stage in zip(commands, stages):
+        argv = shlex.split(command)
+        assert argv[0] == "build_quickstart_model.py"
+        args = build.parse_args(argv[1:])
+        assert args.call_format == stage.get("call_format", "tags") == call_format  # the first builds named none
+        recorded = {k: stage[k] for k in ("num_traces", "max_steps", "batch_size", "learning_rate", "seed")}
+        assert {k: getattr(args, k) for k in recorded} == recorded, command
+    for command in commands[1:]:  # a later stage continues the shipped folder's model
+        assert (
+            build.parse_args(shlex.split(command)[1:]).init_from
+            == f"retool_trl/assets/{Path(model_path(call_format)).name}"
+        )
+
+
 def test_markdown_tokenizer_keeps_the_fences_whole_and_the_model_writes_them():
     _, tokenizer, model = _load("markdown")
     text = "```python\nprint(843*13)\n```\n```output\n10959\n```\n\\boxed{10959}"
