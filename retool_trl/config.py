@@ -125,7 +125,8 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
         sandbox_url (`str`, `list[str]` or `None`, defaults to `None`):
             Base URL of the sandbox service (`retool-trl sandbox-server`, or SandboxFusion), or several (a list, or
             comma-separated): each session is pinned to one for its life. Required when `sandbox_backend="remote"`.
-            The server's token is read from `RETOOL_SANDBOX_TOKEN`.
+            The server's token (or this tenant's, where the server has per-tenant tokens) is read from
+            `RETOOL_SANDBOX_TOKEN`.
         sandbox_max_concurrency (`int`, defaults to `32`):
             Requests in flight to the remote sandbox service.
 

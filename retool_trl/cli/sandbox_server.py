@@ -38,8 +38,16 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--token-file", default=None, help="A file whose first line is the token (instead of --token)."
     )
+    parser.add_argument(
+        "--tokens-file",
+        default=None,
+        help="Per-tenant tokens instead of one token: a file of 'TOKEN TENANT' lines (blank lines and # comments "
+        "ignored; mode 600, readable by you alone). Every call but /health must carry one of the tokens, and the "
+        "per-client bounds are kept per tenant. Without it a client is its address: all of loopback is one client, "
+        "an IPv6 address counts as its /64. $RETOOL_SANDBOX_TOKEN is not read then.",
+    )
     for field in dataclasses.fields(ServerConfig):
-        if field.name in ("host", "port", "token"):
+        if field.name in ("host", "port", "token", "tokens"):
             continue
         flag = "--" + field.name.replace("_", "-")
         said = field.metadata.get("help", "")
@@ -53,14 +61,23 @@ def _parser() -> OneLineParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """`retool-trl sandbox-server --host H --port P [--token T] [...]`."""
+    """`retool-trl sandbox-server --host H --port P [--token T | --tokens-file F] [...]`."""
     args = _parser().parse_args(list(argv))
     token_in_argv = args.token is not None
-    token_file = args.token_file
-    del args.token_file
+    token_file, tokens_file = args.token_file, args.tokens_file
+    del args.token_file, args.tokens_file
     if token_in_argv and token_file:
         raise UserError("give the token once: --token or --token-file, not both")
-    if token_file:
+    if tokens_file and (token_in_argv or token_file):
+        raise UserError("--tokens-file holds every tenant's token: drop --token and --token-file")
+    if tokens_file:
+        from ..sandbox.server.clients import TokensFileError, read_tokens_file
+
+        try:
+            args.tokens = read_tokens_file(tokens_file)
+        except TokensFileError as error:
+            raise UserError(one_line(error)) from None
+    elif token_file:
         try:
             with open(token_file) as handle:
                 args.token = handle.readline().strip() or None
@@ -116,8 +133,9 @@ def main(argv: Sequence[str]) -> int:
         # A request head must come whole and soon: bounded in size (h11's limit) and in time (the protocol's).
         http=head_timeout_protocol(config.header_timeout_s),
         h11_max_incomplete_event_size=16 * 1024,
-        # Clients are told apart by their address (the per-client bounds): a forwarded-for header from a loopback
-        # peer, which uvicorn trusts by default, would let any local client claim a fresh address for each request.
+        # Without per-tenant tokens, clients are told apart by their address (the per-client bounds): a
+        # forwarded-for header from a loopback peer, which uvicorn trusts by default, would let any local client
+        # claim a fresh address for each request.
         proxy_headers=False,
     )
     return 0

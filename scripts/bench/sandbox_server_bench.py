@@ -44,6 +44,9 @@ def _server(workers: int, max_concurrency: int = 256, max_sessions: int | None =
     cmd += ["--workers", str(workers), "--max-concurrency", str(max_concurrency)]
     if max_sessions is not None:  # one client (this benchmark) holds them all
         cmd += ["--max-sessions", str(max_sessions), "--max-sessions-per-client", str(max_sessions)]
+    # Each live session reserves its memory_mb (RemoteSandbox asks 1024 MB) of the server's memory budget; the cells
+    # measured here hold a few MB each, so the budget admits every session, as an operator who knows its load sets it.
+    cmd += ["--total-memory-mb", str(1024 * max(max_sessions or 0, max_concurrency))]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

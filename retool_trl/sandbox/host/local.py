@@ -134,6 +134,11 @@ class LocalSandbox(JailSupply, CallResults):
 
     reserve_idle_s = 60.0  # jails reserved beyond `spares` are released once none was taken for this long
     call_observer = None  # told each call's wait and latency when set (`host.batch.CallObserver`)
+    # Set where every session's `memory_mb` is reserved out of `total_memory_mb` (the sandbox server): a session
+    # killed because the sandbox's memory was full then stayed within its own bound, and that is an `infra_error`.
+    # Unset (a trainer's own sandbox, whose sessions together may ask for more than the whole), the session holding
+    # the most is the one that filled it, and it is that session's own `MemoryError`.
+    memory_reserved = False
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from ..base import ExecResult, cut_output, signal_death_line
 
 class CallResults:
     """Mixed into `LocalSandbox`: the results of calls. Uses its `max_output_chars`, `timeout_s`, `cpu_time_s`,
-    `memory_mb`, `max_processes`, `scratch_mb`, `max_files` and `_kill(session)`."""
+    `memory_mb`, `memory_reserved`, `max_processes`, `scratch_mb`, `max_files` and `_kill(session)`."""
 
     def result_of_reply(self, session, reply: dict, duration: float) -> ExecResult:
         """Turns a settled call (its status and output, or the zygote's account of a death) into the `ExecResult`
@@ -93,6 +93,15 @@ class CallResults:
             sig = int(crash["signal"])
             if sig == signal.SIGXCPU:
                 line, timed_out = f"TimeoutError: CPU time limit of {self.cpu_time_s:g} s exceeded", True
+            elif sig == signal.SIGKILL and crash.get("evicted") and self.memory_reserved:
+                # Within its own reserved bound: the memory was full of others' (or the sandbox's own) use.
+                line, infra = (
+                    (
+                        "SystemError: the sandbox's memory was full although this session stayed within its own "
+                        f"{self.memory_mb} MB (the session was killed)"
+                    ),
+                    True,
+                )
             elif sig == signal.SIGKILL and crash.get("evicted"):  # the sandbox's bound, reached mostly by this one
                 line = (
                     "MemoryError: the sandbox's memory was full and this session held the most of it (files in "

@@ -104,8 +104,8 @@ class RemoteSandbox(Transport, ReplyReading):
         show_last_expression (`bool`, defaults to `True`): Show a trailing expression's repr when nothing printed.
         language (`str`, defaults to `"python"`): The service's language name for Python.
         headers (`dict`, *optional*): Extra HTTP headers (e.g. authentication for the service).
-        token (`str`, *optional*): Sent as `Authorization: Bearer <token>` (the sandbox server's `--token`; default:
-            `$RETOOL_SANDBOX_TOKEN`).
+        token (`str`, *optional*): Sent as `Authorization: Bearer <token>` (the sandbox server's `--token`, or this
+            tenant's token from its `--tokens-file`; default: `$RETOOL_SANDBOX_TOKEN`).
         sessions (`str`, defaults to `"auto"`): `"auto"` (the server's sessions when it offers them, else replay),
             `"native"` (fail with a clear error where they are not offered) or `"replay"`.
     """

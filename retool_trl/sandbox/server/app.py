@@ -11,8 +11,9 @@ Sessions API (what `RemoteSandbox` uses when `/health` says `"sessions": 1`):
 
 A limit outside its range is a 400 naming the field and its range (`limits.py`); a run request for a session whose
 cell is still running is a 409 with `Retry-After` (it never waits on a slot); an unknown session is a 404
-(`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors. A client is its peer address:
-it holds a bounded number of sessions and of limit sets.
+(`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors. A client is its tenant where
+the server has per-tenant tokens, else its peer address (`clients.py`): it holds a bounded number of sessions and of
+limit sets. A session whose `memory_mb` does not fit the memory budget's unreserved part is a 429.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from . import fusion
+from .clients import address_key, tenant_key
 from .config import ServerConfig
 from .http import BodyError, read_json
 from .limits import LimitError, session_limits
-from .table import Busy, Full, SessionTable, UnknownSession
+from .table import Busy, Full, SessionTable, TooLarge, UnknownSession
 
 __all__ = ["SESSIONS_API_VERSION", "create_app"]
 
@@ -49,20 +51,30 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
     # Worker threads for blocking calls: one per running call at most (the bound is checked before, never queued).
     limiter = anyio.CapacityLimiter(config.max_concurrency + 8)
 
-    def authorized(request: Request) -> bool:
-        if not config.token:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {config.token}".encode())
+    # Compared in constant time each, all of them: neither a token's bytes nor its place shows in the reply's timing.
+    tokens = [(f"Bearer {token}".encode(), tenant) for token, tenant in (config.tokens or {}).items()]
+    if config.token:
+        tokens = [(f"Bearer {config.token}".encode(), None)]
 
-    def refused(request: Request) -> JSONResponse | None:
-        if authorized(request):
-            return None
-        return JSONResponse(
-            {"error": "unauthorized", "detail": "missing or wrong bearer token"},
-            401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    def caller(request: Request) -> str | JSONResponse:
+        """The client the request counts as for the per-client bounds, or the 401 reply for a missing/wrong token."""
+        if not tokens:
+            return address_key(request.client.host if request.client else None)
+        given = request.headers.get("authorization", "").encode()
+        found = False
+        tenant = None
+        for expected, name in tokens:
+            if hmac.compare_digest(given, expected):
+                found, tenant = True, name
+        if not found:
+            return JSONResponse(
+                {"error": "unauthorized", "detail": "missing or wrong bearer token"},
+                401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if tenant is not None:
+            return tenant_key(tenant)
+        return address_key(request.client.host if request.client else None)
 
     def busy(error: Full) -> JSONResponse:
         return JSONResponse({"error": "busy", "detail": str(error)}, 429, headers={"Retry-After": RETRY_AFTER_S})
@@ -73,15 +85,12 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
     async def body_of(request: Request):
         return await read_json(request, config.max_body_bytes, config.body_timeout_s)
 
-    def client_of(request: Request) -> str:
-        return request.client.host if request.client else "?"
-
     def bad(status: int, detail: str) -> JSONResponse:
         return JSONResponse({"error": "bad_request", "detail": detail}, status)
 
     async def run_code(request: Request):
-        if (denied := refused(request)) is not None:
-            return denied
+        if isinstance(client := caller(request), JSONResponse):
+            return client
         try:
             req = fusion.parse_request(await body_of(request))
             timeout, memory = config.clamp(req["run_timeout"], req["memory_limit_MB"])
@@ -95,7 +104,8 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             return JSONResponse(fusion.unsupported(req["language"]))
         if req["fetch_files"]:
             return JSONResponse(fusion.reply("SandboxError", "fetch_files is not supported by this server", None))
-        client = client_of(request)
+        # Capped like the other limits (SandboxFusion's callers expect a cap, not a refusal): never past the budget.
+        memory = min(memory, table.memory_budget_mb)
         limits = {
             "timeout_s": timeout,
             "memory_mb": memory,
@@ -103,13 +113,19 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             "show_last_expression": False,
         }
         try:
+            table.reserve(memory)
+        except Full as error:
+            return busy(error)
+        try:
             table.acquire()
         except Full as error:
+            table.unreserve(memory)
             return busy(error)
         try:
             profile = await blocking(table.take_profile, limits, client)
         except Full as error:
             table.release()
+            table.unreserve(memory)
             return busy(error)
         try:
             prelude = fusion.prelude(req)
@@ -117,11 +133,12 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         finally:
             table.drop_profile(profile, client)
             table.release()
+            table.unreserve(memory)
         return JSONResponse(fusion.response(result, prelude_error=before))
 
     async def open_session(request: Request):
-        if (denied := refused(request)) is not None:
-            return denied
+        if isinstance(client := caller(request), JSONResponse):
+            return client
         try:
             limits = session_limits(await body_of(request), config)
         except BodyError as error:
@@ -129,13 +146,15 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         except LimitError as error:
             return bad(400, str(error))
         try:
-            session_id, profile = await blocking(table.open, limits, client_of(request))
+            session_id, profile = await blocking(table.open, limits, client)
+        except TooLarge as error:
+            return bad(400, str(error))
         except Full as error:
             return busy(error)
         return JSONResponse({"session_id": session_id, "limits": profile.limits()})
 
     async def run_session(request: Request):
-        if (denied := refused(request)) is not None:
+        if isinstance(denied := caller(request), JSONResponse):
             return denied
         try:
             body = await body_of(request)
@@ -166,7 +185,7 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return JSONResponse({"results": [dataclasses.asdict(r) for r in results]})
 
     async def close_session(request: Request):
-        if (denied := refused(request)) is not None:
+        if isinstance(denied := caller(request), JSONResponse):
             return denied
         try:
             await blocking(table.close_session, request.path_params["session_id"])
@@ -186,11 +205,13 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             "max_concurrency": config.max_concurrency,
             "cpu_slots": table.cpu_slots,
             "limit_profiles": snap["limit_profiles"],
+            "reserved_memory_mb": snap["reserved_memory_mb"],
+            "memory_budget_mb": snap["memory_budget_mb"],
         }
         return JSONResponse(body, 503 if table.closed else 200)
 
     async def metrics(request: Request):
-        if (denied := refused(request)) is not None:
+        if isinstance(denied := caller(request), JSONResponse):
             return denied
         return PlainTextResponse(_prometheus(table.snapshot(), config), media_type="text/plain; version=0.0.4")
 
@@ -242,6 +263,10 @@ def _prometheus(snap: dict, config: ServerConfig) -> str:
         f"retool_sandbox_max_concurrency {config.max_concurrency}",
         "# TYPE retool_sandbox_limit_profiles gauge",
         f"retool_sandbox_limit_profiles {snap['limit_profiles']}",
+        "# TYPE retool_sandbox_reserved_memory_mb gauge",
+        f"retool_sandbox_reserved_memory_mb {snap['reserved_memory_mb']}",
+        "# TYPE retool_sandbox_memory_budget_mb gauge",
+        f"retool_sandbox_memory_budget_mb {snap['memory_budget_mb']}",
         "# TYPE retool_sandbox_events_total counter",
     ]
     lines += [f'retool_sandbox_events_total{{event="{k}"}} {v}' for k, v in sorted(snap["counts"].items())]

@@ -20,13 +20,18 @@ class ServerConfig:
     Args:
         host (`str`), port (`int`): Where to listen.
         token (`str`, *optional*): When set, every endpoint but `/health` wants `Authorization: Bearer <token>`.
+        tokens (`dict[str, str]`, *optional*): Per-tenant tokens instead (`token -> tenant name`, from
+            `--tokens-file`): every endpoint but `/health` wants one of them, and the per-client bounds are then kept
+            per tenant, whatever addresses its calls come from.
         workers (`int`, *optional*): The node's CPU slots: cells *computing* at once, over every limit profile
             together (a cell that sleeps or waits gives its slot away). Default: the CPUs this process may use.
         max_concurrency (`int`, defaults to `64`): Cells *running* at once (computing, sleeping or waiting; one per
             session at most, each request runs its cells one after the other). One more is answered `429` with
             `Retry-After`, never queued.
         max_sessions (`int`, defaults to `4096`): Live sessions at once; creating one more is answered `429`.
-        max_sessions_per_client (`int`, defaults to `1024`): Live sessions one client (one peer address) may hold.
+        max_sessions_per_client (`int`, defaults to `1024`): Live sessions one client may hold. A client is its
+            tenant where `tokens` are given, else its peer address, with every loopback address one client and an
+            IPv6 address counted as its /64.
         idle_s (`float`, defaults to `600`): A session unused for this long is closed (its jail killed).
         fresh_idle_s (`float`, defaults to `30`): The same for a session that never ran a cell.
         timeout_s (`float`, defaults to `10`): A cell's wall-clock limit when the request names none.
@@ -35,12 +40,14 @@ class ServerConfig:
         max_output_chars (`int`, defaults to `200_000`): Output kept per `/run_code` call (SandboxFusion keeps about
             200 KB), and the most a session may ask for.
         max_limit_profiles (`int`, defaults to `4`): Distinct limit sets served at once, each by its own jails; they
-            share the node's CPU slots (`workers`) and memory budget (`total_memory_mb`, split evenly). A set no live
+            share the node's CPU slots (`workers`) and memory budget (`total_memory_mb`). A set no live
             session uses is given back when another is needed; when every one is in use, a new set is answered `429`.
         max_profiles_per_client (`int`, defaults to `2`): Limit sets (beyond the server's default) one client may
             hold, so that one client cannot take them all.
         total_memory_mb (`int`, *optional*): Memory of all sessions together (default: half of what this machine or
-            its container allows), split evenly among the limit profiles.
+            its container allows). Each live session (and each running `/run_code` call) reserves its `memory_mb`
+            of it; one that does not fit is answered `429`, so that no cell within its own `memory_mb` is ever
+            killed because others filled the memory.
         max_cells_per_request (`int`, defaults to `16`): Cells one `/sessions/{id}/run` request may carry.
         max_body_bytes (`int`, defaults to `8 MiB`): Largest request body; a larger one is answered `413`.
         header_timeout_s (`float`, defaults to `10`): A connection must send a whole request head this soon after it
@@ -54,6 +61,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     token: str | None = None
+    tokens: dict[str, str] | None = None
     workers: int | None = _opt(
         None, "CPU slots: cells computing at once over every limit profile (a sleeping cell gives its slot away); "
         "default: this machine's usable CPUs."
@@ -62,7 +70,10 @@ class ServerConfig:
         64, "Cells running at once (computing or waiting; at most one per session); one more gets 429, never queued."
     )
     max_sessions: int = _opt(4096, "Live sessions at once; one more gets 429.")
-    max_sessions_per_client: int = _opt(1024, "Live sessions one client (peer address) may hold; one more gets 429.")
+    max_sessions_per_client: int = _opt(
+        1024, "Live sessions one client may hold; one more gets 429. A client is its tenant with --tokens-file, "
+        "else its address: all of loopback is one client, an IPv6 address counts as its /64."
+    )  # fmt: skip
     idle_s: float = _opt(600.0, "A session unused for this many seconds is closed.")
     fresh_idle_s: float = _opt(30.0, "A session that never ran a cell is closed after this many idle seconds.")
     timeout_s: float = _opt(10.0, "A cell's wall-clock limit when the request names none.")
@@ -75,8 +86,9 @@ class ServerConfig:
     )
     max_profiles_per_client: int = _opt(2, "Limit sets beyond the default that one client may hold at once.")
     total_memory_mb: int | None = _opt(
-        None, "Memory of all sessions together, split among the limit profiles; default: half the machine's."
-    )
+        None, "Memory of all sessions together, each live session reserving its memory_mb of it (one that does "
+        "not fit gets 429); default: half the machine's."
+    )  # fmt: skip
     max_cells_per_request: int = _opt(16, "Cells one /sessions/{id}/run request may carry.")
     max_body_bytes: int = _opt(8 << 20, "Largest request body in bytes; a larger one gets 413.")
     header_timeout_s: float = _opt(10.0, "Seconds a connection has to send a whole request head, else it is closed.")
@@ -107,8 +119,13 @@ class ServerConfig:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_output_chars < 64:
             problems.append(f"max_output_chars must be >= 64, got {self.max_output_chars}")
-        if self.total_memory_mb is not None and self.total_memory_mb < 64 * self.max_limit_profiles:
-            problems.append(f"total_memory_mb must be >= 64 per limit profile, got {self.total_memory_mb}")
+        if self.total_memory_mb is not None and self.total_memory_mb < self.memory_mb:
+            problems.append(
+                f"total_memory_mb must hold one session of the default memory_mb ({self.memory_mb}), got "
+                f"{self.total_memory_mb}"
+            )
+        if self.token and self.tokens:
+            problems.append("give one token for all (token) or one per tenant (tokens), not both")
         if problems:
             raise ValueError("; ".join(problems))
         if self.grace_s is None:

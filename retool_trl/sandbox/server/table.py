@@ -4,7 +4,11 @@ Blocking code only (the app runs it in worker threads), except the quick checks 
 
 What one client does never changes what another gets: a session is served by the profile of exactly the limits it
 asked for (never another's), a profile is built for it or refused (429) when every one is in use, and profiles no live
-session uses are given back. A client holds a bounded number of sessions and profiles."""
+session uses are given back. A client holds a bounded number of sessions and profiles. Each live session (and each
+running `/run_code` call) reserves its `memory_mb` of the memory budget, or is refused (429): the memory the sessions
+may hold never adds up to more than the budget, so a cell within its own `memory_mb` is never killed because other
+sessions (another tenant's, parked) filled it; were it killed so all the same, that is the server's failure
+(`infra_error`), never the cell's."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from ..host.local import LocalSandbox, LocalSession
 from ..host.node import node_share_cpus, node_share_memory_mb
 from .config import ServerConfig
 
-__all__ = ["Busy", "Full", "Profile", "SessionTable", "UnknownSession"]
+__all__ = ["Busy", "Full", "Profile", "SessionTable", "TooLarge", "UnknownSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,10 @@ class Full(Exception):
 
 class Busy(Exception):
     """The session is running a cell already: the caller answers 409 and nothing is queued."""
+
+
+class TooLarge(ValueError):
+    """A session asks for more memory than the server's whole budget: it could never open (the caller answers 400)."""
 
 
 class UnknownSession(KeyError):
@@ -87,6 +95,7 @@ class SessionTable:
         self._profiles: dict[Profile, _Served] = {}
         self._sessions: dict[str, _Live] = {}
         self._held: Counter[tuple[str, Profile]] = Counter()  # (client, profile) -> its sessions and calls on it
+        self.reserved_mb = 0  # the `memory_mb` of every live session and running `/run_code` call
         self._lock = threading.Lock()
         self.running = 0
         self.counts: Counter[str] = Counter()
@@ -107,10 +116,14 @@ class SessionTable:
             show_last_expression=profile.show_last_expression,
             isolation=c.isolation,
             allow_root_without_isolation=c.allow_root_without_isolation,
-            # Each profile's share of the node's memory budget: all profiles together stay within it.
-            total_memory_mb=max(64, self.memory_budget_mb // c.max_limit_profiles),
+            # Any profile may hold the whole budget: what all of them hold together is bounded by the reservations
+            # (each session by its own `memory_mb`), not by a fixed split that one profile's sessions could fill.
+            total_memory_mb=self.memory_budget_mb,
         )
         sandbox.in_flight = self._in_flight
+        # With every session's memory reserved, a session killed because the sandbox's memory was full stayed
+        # within its own bound: the server's failure, retried, never scored as the model's error.
+        sandbox.memory_reserved = True
         return sandbox
 
     def take_profile(self, limits: dict, client: str) -> Profile:
@@ -187,6 +200,30 @@ class SessionTable:
         with self._lock:
             self.running -= 1
 
+    def reserve(self, memory_mb: int) -> None:
+        """Reserves `memory_mb` of the budget (a `/run_code` call's) or raises `Full` (`TooLarge` if it never fits)."""
+        with self._lock:
+            self._reserve(memory_mb)
+
+    def unreserve(self, memory_mb: int) -> None:
+        with self._lock:
+            self.reserved_mb -= memory_mb
+
+    def _reserve(self, memory_mb: int) -> None:
+        # Called with `_lock` held.
+        if memory_mb > self.memory_budget_mb:
+            raise TooLarge(
+                f"memory_mb must be at most {self.memory_budget_mb} on this server (its whole memory budget), got "
+                f"{memory_mb}"
+            )
+        if self.reserved_mb + memory_mb > self.memory_budget_mb:
+            self.counts["rejected_memory"] += 1
+            raise Full(
+                f"live sessions reserve {self.reserved_mb} MB of this server's {self.memory_budget_mb} MB memory "
+                f"budget and this one needs {memory_mb} MB: retry later, close sessions, or ask for less memory_mb"
+            )
+        self.reserved_mb += memory_mb
+
     def run_once(self, code: str, profile: Profile, prelude: str | None = None):
         """One cell in a fresh jail, closed after it (SandboxFusion's stateless `run_code`), after `prelude` (the
         request's files and stdin) in the same jail. Returns `(result, prelude's result or None)`."""
@@ -202,7 +239,12 @@ class SessionTable:
             session.close()
 
     def open(self, limits: dict, client: str) -> tuple[str, Profile]:
-        """A new session of exactly `limits` for `client` (its jail is taken at its first cell): `(id, profile)`."""
+        """A new session of exactly `limits` for `client` (its jail is taken at its first cell): `(id, profile)`.
+
+        Raises:
+            `Full`: a bound on sessions, limit sets or memory is reached. `TooLarge`: its memory never fits here.
+        """
+        memory_mb = int(limits["memory_mb"])
         with self._lock:
             if self.closed:
                 raise Full("the server is shutting down")
@@ -213,12 +255,19 @@ class SessionTable:
             if mine >= self.config.max_sessions_per_client:
                 self.counts["rejected_sessions"] += 1
                 raise Full(f"this client holds {mine} live sessions, the server's bound per client: close some")
-        profile = self.take_profile(limits, client)
+            # Reserved now, before the profile is taken, so that opens racing each other never overbook the budget.
+            self._reserve(memory_mb)
+        try:
+            profile = self.take_profile(limits, client)
+        except Full:
+            self.unreserve(memory_mb)
+            raise
         with self._lock:
             # Checked again with the session in: opens of one client racing each other stay within its bound.
             over = sum(1 for live in self._sessions.values() if live.client == client)
             if over >= self.config.max_sessions_per_client or len(self._sessions) >= self.config.max_sessions:
                 over = True
+                self.reserved_mb -= memory_mb
             else:
                 over = False
                 sandbox = self._profiles[profile].sandbox
@@ -259,9 +308,10 @@ class SessionTable:
             live = self._sessions.pop(session_id, None)
         if live is None:
             raise UnknownSession(session_id)
-        live.session.close()
+        live.session.close()  # its memory is freed before its reservation is given back
         self.drop_profile(live.profile, live.client)
         with self._lock:
+            self.reserved_mb -= live.profile.memory_mb
             self.counts["sessions_closed"] += 1
 
     def touch(self, session_id: str) -> None:
@@ -307,6 +357,7 @@ class SessionTable:
             self.drop_profile(live.profile, live.client)
         if lives:
             with self._lock:
+                self.reserved_mb -= sum(live.profile.memory_mb for live in lives)
                 self.counts["sessions_expired"] += len(lives)
             logger.info("closed %d idle session(s)", len(lives))
         return len(lives)
@@ -317,6 +368,8 @@ class SessionTable:
                 "live_sessions": len(self._sessions),
                 "running": self.running,
                 "limit_profiles": len(self._profiles),
+                "reserved_memory_mb": self.reserved_mb,
+                "memory_budget_mb": self.memory_budget_mb,
                 "counts": dict(self.counts),
                 "seconds": dict(self.seconds),
             }

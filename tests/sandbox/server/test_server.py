@@ -22,11 +22,15 @@ pytestmark = pytest.mark.timeout(240)
 
 TOKEN = "s3cret-token"
 
+# Each session reserves its memory_mb (RemoteSandbox asks 1024) of the server's budget; the sessions here hold a few MB
+# each, so the budget is set to admit them all on any machine, as an operator who knows its cells would.
+ROOMY = ("--total-memory-mb", "65536")
+
 
 @pytest.fixture(scope="module")
 def server():
     """The default server, as a user starts it (plus a low maximum time so that a clamp can be seen)."""
-    srv = ServerProcess("--workers", "2", "--max-timeout-s", "20", "--max-limit-profiles", "16")
+    srv = ServerProcess("--workers", "2", "--max-timeout-s", "20", "--max-limit-profiles", "16", *ROOMY)
     yield srv
     srv.kill()
 
@@ -35,7 +39,7 @@ def server():
 def small():
     """A small, guarded server: 2 calls at once, a token, sessions expire after 2 s idle."""
     srv = ServerProcess(
-        "--workers", "2", "--max-concurrency", "2", "--idle-s", "2", env={"RETOOL_SANDBOX_TOKEN": TOKEN}
+        "--workers", "2", "--max-concurrency", "2", "--idle-s", "2", *ROOMY, env={"RETOOL_SANDBOX_TOKEN": TOKEN}
     )
     yield srv
     srv.kill()
@@ -249,7 +253,7 @@ def test_a_server_killed_mid_call_makes_infra_errors_that_the_rollout_retries():
     """Two servers; one dies (SIGKILL of its whole process group) while cells run on it. Its completions get
     infra errors, the rollout retries them on a fresh session (pinned to the live server) with their earlier
     cells, and every completion ends with the right output; with no server left, completions are marked failed."""
-    a, b = ServerProcess("--workers", "2"), ServerProcess("--workers", "2")
+    a, b = ServerProcess("--workers", "2", *ROOMY), ServerProcess("--workers", "2", *ROOMY)
     try:
         with RemoteSandbox([a.url, b.url], timeout_s=10.0, retries=1, backoff_s=0.05) as sb:
             rows = [Row(prompt_ids=[1]) for _ in range(16)]  # all on one server: a 2**-15 chance

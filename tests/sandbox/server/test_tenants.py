@@ -1,8 +1,9 @@
 """Two tenants of one `retool-trl sandbox-server` on 127.0.0.1: what one tenant sends never changes what the other
 gets. Each test stands for the condition "two server tenants": tenant A (hostile, or just careless) and tenant B (a
-trainer with `RemoteSandbox`), each from its own loopback address (127.0.0.2, 127.0.0.3) where the server tells
-clients apart. The truth each checks is outside the server's own account: the text a cell printed, the wall-clock
-times the cells themselves read, a raw socket the server closes or not."""
+trainer with `RemoteSandbox`), each with its own token from the server's `--tokens-file`, by which the server tells
+tenants apart (on one machine, all loopback addresses are one client). The truth each checks is outside the server's
+own account: the text a cell printed, the wall-clock times the cells themselves read, a raw socket the server closes
+or not."""
 
 import contextlib
 import glob
@@ -25,14 +26,36 @@ pytest.importorskip("starlette", reason="the sandbox server needs the 'server' e
 pytestmark = pytest.mark.timeout(240)
 
 
-def tenant(address: str) -> httpx.Client:
-    """An HTTP client whose connections come from `address` (any 127.x.y.z reaches the server on 127.0.0.1)."""
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
+TENANTS = ("a", "b", "c", "d", "e", "f")
+
+
+def tenant(address: str, name: str | None = None) -> httpx.Client:
+    """An HTTP client whose connections come from `address` (any 127.x.y.z reaches the server on 127.0.0.1), with
+    tenant `name`'s token (default: the tenant named by the address's last digit, 2 -> "a")."""
+    name = name or TENANTS[int(address.rsplit(".", 1)[1]) - 2]
+    return httpx.Client(
+        transport=httpx.HTTPTransport(local_address=address),
+        timeout=60,
+        headers={"Authorization": f"Bearer {name}-token"},
+    )
+
+
+def tokens_file(directory) -> str:
+    """The `--tokens-file` of the tenants here (readable by its owner alone, as the server wants)."""
+    path = directory / "tokens"
+    path.write_text("".join(f"{name}-token {name}\n" for name in TENANTS))
+    path.chmod(0o600)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--workers", "2", "--max-limit-profiles", "4", "--max-timeout-s", "20")
+def server(tmp_path_factory):
+    srv = ServerProcess(
+        "--workers", "2", "--max-limit-profiles", "4", "--max-timeout-s", "20",
+        "--tokens-file", tokens_file(tmp_path_factory.mktemp("tenants")),
+        # The sessions here hold a few MB each; the budget only has to admit what they reserve (up to 2 GB each).
+        "--total-memory-mb", "16384",
+    )  # fmt: skip
     yield srv
     srv.kill()
 
@@ -76,7 +99,7 @@ def test_one_tenants_odd_limits_never_reach_another_tenants_sessions(server):
             a.post(f"{server.url}/sessions/{held[-1]}/run", json={"code": "x = 1"})
     try:
         asked = {"timeout_s": 5.0, "memory_mb": 1024, "max_output_chars": 4096, "show_last_expression": True}
-        with RemoteSandbox(server.url, **asked, retries=0) as b:
+        with RemoteSandbox(server.url, **asked, retries=0, token="b-token") as b:
             sessions = [b.session() for _ in range(2)]
             answer = "the answer is 123456, " + "as the working shows, " * 5
             code = f"print({answer!r})\nimport time; time.sleep(0.2)"
@@ -100,7 +123,7 @@ def test_a_trainer_that_closes_its_sessions_leaves_none_on_the_server(server):
     of a rollout): none of its sessions stays live on the server, holding jails and the per-client bounds the tenant
     needs later, until the idle expiry."""
     before = httpx.get(f"{server.url}/health").json()["live_sessions"]
-    with RemoteSandbox(server.url, timeout_s=5.0, retries=0) as b:
+    with RemoteSandbox(server.url, timeout_s=5.0, retries=0, token="b-token") as b:
         sessions = [b.session() for _ in range(8)]
         assert all(r.ok for r in b.run_many([(s, "x = 1") for s in sessions]))
         for s in sessions:
@@ -108,7 +131,7 @@ def test_a_trainer_that_closes_its_sessions_leaves_none_on_the_server(server):
     assert httpx.get(f"{server.url}/health").json()["live_sessions"] == before
 
 
-def test_limit_profiles_share_the_nodes_cpu_slots():
+def test_limit_profiles_share_the_nodes_cpu_slots(tmp_path):
     """Server tenants (three): sessions with three different limit sets each run two CPU-bound cells at once on a
     server with two CPU slots: at no moment do more than two compute (the cells' own clock readings say so), where a
     whole-node sandbox per limit set would run all six together."""
@@ -116,7 +139,7 @@ def test_limit_profiles_share_the_nodes_cpu_slots():
         "import time\nt0 = time.monotonic()\nc0 = time.process_time()\n"
         "while time.process_time() - c0 < 0.4:\n    pass\nprint(t0, time.monotonic())"
     )
-    server = ServerProcess("--workers", "2")
+    server = ServerProcess("--workers", "2", "--tokens-file", tokens_file(tmp_path))
     sessions = []
     for i in range(3):
         client = tenant(f"127.0.0.{4 + i}")
@@ -158,22 +181,32 @@ def _sandbox_memory_bounds_mb(server_pid: int) -> list[int]:
     return list(bounds.values())
 
 
-def test_limit_profiles_share_the_nodes_memory_budget():
-    """Server tenants (three) with three limit sets beside the server's default: the memory bounds the kernel holds for
-    the server's sandboxes add up to at most the server's budget (half of what the machine allows), where a whole-node
-    sandbox per limit set would promise that half four times over."""
-    server = ServerProcess("--workers", "1")
+def test_limit_profiles_share_the_nodes_memory_budget(tmp_path):
+    """Server tenants (three) with three limit sets beside the server's default: the memory the server promises its
+    live sessions, over every limit set and tenant, adds up to at most its budget (half of what the machine allows):
+    a session that would pass it is refused (429), and the kernel's bound for each limit set's sessions (where a
+    memory cgroup is writable) is no larger than the budget, where a whole-node sandbox per limit set would promise
+    the machine's half once per set."""
+    server = ServerProcess("--workers", "1", "--tokens-file", tokens_file(tmp_path))
     try:
-        for i in range(3):
-            client = tenant(f"127.0.0.{4 + i}")
-            sid = client.post(f"{server.url}/sessions", json={"timeout_s": 5 + i}).json()["session_id"]
-            assert client.post(f"{server.url}/sessions/{sid}/run", json={"code": "1"}).json()["results"][0]["ok"]
-        bounds = _sandbox_memory_bounds_mb(server.proc.pid)
-        if len(bounds) < 4:
-            pytest.skip("no writable memory cgroup here (the budget is then each session's own limit only)")
+        budget = httpx.get(f"{server.url}/health").json()["memory_budget_mb"]
         with open("/proc/meminfo") as f:
             total_mb = int(f.readline().split()[1]) >> 10
-        assert sum(bounds) <= total_mb // 2 + 1, (bounds, total_mb)
+        assert budget <= total_mb // 2 + 1, (budget, total_mb)
+        ask = min(4096, budget // 2)  # the server's largest memory_mb, or less on a small machine
+        fits = budget // ask
+        codes = []
+        for i in range(fits + 1):
+            client = tenant(f"127.0.0.{4 + i % 3}")
+            reply = client.post(f"{server.url}/sessions", json={"timeout_s": 5 + i % 3, "memory_mb": ask})
+            codes.append(reply.status_code)
+            if reply.status_code == 200 and i < 3:  # a jail for each limit set: the kernel's bounds are there
+                run = f"{server.url}/sessions/{reply.json()['session_id']}/run"
+                assert client.post(run, json={"code": "1"}).json()["results"][0]["ok"]
+        assert codes == [200] * fits + [429], codes
+        assert httpx.get(f"{server.url}/health").json()["reserved_memory_mb"] <= budget
+        bounds = _sandbox_memory_bounds_mb(server.proc.pid)
+        assert all(bound <= budget for bound in bounds), (bounds, budget)
     finally:
         server.kill()
 
@@ -209,13 +242,14 @@ def test_a_busy_session_is_refused_and_holds_no_slot():
         srv.kill()
 
 
-def test_bodies_headers_and_what_a_client_opens_are_bounded():
+def test_bodies_headers_and_what_a_client_opens_are_bounded(tmp_path):
     """Two server tenants: one that sends a huge body, too many cells, its headers or body byte by byte, or opens
     sessions it never uses: each is refused or cut off by a bound (413, 400 naming `cells`, a closed socket, 408, 429
     for that client only), and fresh sessions it never used are gone soon, while another tenant still opens its own."""
     srv = ServerProcess(
         "--workers", "1", "--max-body-bytes", "100000", "--max-cells-per-request", "4", "--header-timeout-s", "1",
         "--body-timeout-s", "1", "--max-sessions-per-client", "3", "--fresh-idle-s", "3",
+        "--tokens-file", tokens_file(tmp_path),
     )  # fmt: skip
     try:
         with socket.create_connection(("127.0.0.1", srv.port)) as slow:  # headers that never end
@@ -226,6 +260,7 @@ def test_bodies_headers_and_what_a_client_opens_are_bounded():
             assert time.monotonic() - started < 8
         with socket.create_connection(("127.0.0.1", srv.port)) as slow:  # a body that never comes
             slow.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            slow.sendall(b"Authorization: Bearer a-token\r\n")
             slow.sendall(b"Content-Length: 100\r\n\r\n{")
             slow.settimeout(10)
             assert slow.recv(1024).split(b" ")[1] == b"408"
