@@ -46,16 +46,11 @@ def _reshaped_sampling(args, generation_kwargs: dict) -> str | None:
 def _replay_refusal(args, truncation: str, generation_kwargs: dict) -> str | None:
     """Why truncated sampling cannot get its kept sets replayed in this setting (one line), or `None`."""
     fix = "or set vllm_importance_sampling_correction=False"
-    if args.vllm_mode != "colocate":
-        return (
-            f"ReToolConfig: {truncation} with vllm_importance_sampling_correction is corrected with vllm_mode="
-            f"'colocate' only (the server does not return each token's kept set yet); use vllm_mode='colocate', "
-            f"sample without truncation (top_p=1.0, top_k=0, min_p=0.0) {fix}."
-        )
-    if args.rollout_mode != "async" or (args.vllm_tensor_parallel_size or 1) > 1:
+    colocated_tp = args.vllm_mode == "colocate" and (args.vllm_tensor_parallel_size or 1) > 1
+    if args.rollout_mode != "async" or colocated_tp:
         return (
             f"ReToolConfig: {truncation} with vllm_importance_sampling_correction is corrected by the async rollout "
-            f"only (rollout_mode='async', vllm_tensor_parallel_size=1); set them {fix}."
+            f"only (rollout_mode='async', and vllm_tensor_parallel_size=1 when colocated); set them {fix}."
         )
     from .training.sampling_mask import refusal
 

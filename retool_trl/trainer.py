@@ -88,7 +88,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         replay_source = replay_source_for(args)
         with engine_options(replay_source):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        self._replay = replay_for(args, self.vllm_generation) if replay_source else None
+        self._replay = replay_for(args, self.vllm_generation, len(self._tokenizer)) if replay_source else None
         check_chat_template(self.processing_class, datasets, model)
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
         self._call_format = format_of(args).from_config(args, self._tokenizer)
@@ -193,7 +193,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         if self.vllm_generation.mode == "colocate":
             return ColocateEngine(self.vllm_generation, self._tokenizer, self._call_format.stop, replay=self._replay)
         return server_engine_from_config(
-            self.args, self._tokenizer, self.vllm_generation, server_url(self.args), self._engine_max_model_len()
+            self.args,
+            self._tokenizer,
+            self.vllm_generation,
+            server_url(self.args),
+            self._engine_max_model_len(),
+            replay=self._replay,
         )
 
     def _engine_max_model_len(self) -> int | None:

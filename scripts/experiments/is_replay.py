@@ -34,9 +34,10 @@ SETTINGS = (("top_k=8", 8, 1.0), ("top_p=0.8", 0, 0.8), ("top_k=20,top_p=0.95", 
 TEMPERATURE = 2.0
 
 
-def build_trainer(output_dir, sandbox, num_prompts: int = 8, num_generations: int = 4):
-    """A colocated-vLLM `ReToolTrainer` on the quickstart model, built for replay (`top_k=8`; the settings are
-    switched per measurement, on the same engine: vLLM runs one colocated engine per process)."""
+def build_trainer(output_dir, sandbox, num_prompts: int = 8, num_generations: int = 4, server_url: str | None = None):
+    """A `ReToolTrainer` on the quickstart model with a colocated vLLM engine (or the vLLM server at `server_url`,
+    serving the same checkpoint), built for replay (`top_k=8`; the settings are switched per measurement, on the
+    same engine: vLLM runs one colocated engine per process)."""
     from retool_trl import ReToolConfig, ReToolTrainer
     from retool_trl.data.synthetic import make_arithmetic_dataset
     from retool_trl.models.tokenizers import load_tokenizer
@@ -60,7 +61,8 @@ def build_trainer(output_dir, sandbox, num_prompts: int = 8, num_generations: in
         seed=0,
         disable_tqdm=True,
         use_vllm=True,
-        vllm_mode="colocate",
+        vllm_mode="server" if server_url else "colocate",
+        vllm_server_base_url=server_url,
         vllm_max_model_length=512,
         beta=0.0,
         temperature=TEMPERATURE,
@@ -86,7 +88,10 @@ def measure(trainer, rows, top_k: int, top_p: float, replay: bool) -> dict:
     helper = trainer.vllm_generation
     helper.top_k, helper.top_p = top_k, top_p
     trainer.args.top_k, trainer.args.top_p = top_k, top_p
-    trainer._replay = replay_for(trainer.args, helper) if replay else None  # None: today's uncorrected ratio
+    # None: today's uncorrected ratio.
+    trainer._replay = replay_for(trainer.args, helper, len(trainer.processing_class)) if replay else None
+    if helper.mode == "server":  # the server holds the checkpoint's weights; syncing needs NCCL, which CPUs lack
+        trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
     trainer._generate_and_score_completions(rows)
     metrics = trainer._metrics["train"]

@@ -1,5 +1,5 @@
-"""Sampling-mask replay on a real vLLM engine (vLLM's CPU build, colocated): with the same weights on both sides (step
-0), the importance-sampling ratio of truncated sampling is 1 with the replay, and the kept mass without it.
+"""Sampling-mask replay on a real vLLM engine (vLLM's CPU build, colocated and served): with the same weights on both
+sides (step 0), the importance-sampling ratio of truncated sampling is 1 with the replay, and the kept mass without.
 
 Run by `bash scripts/test_engines.sh` in `.venv-engines/`; skipped where vLLM is not installed (the fast suite). The
 measurement is the one `scripts/experiments/is_replay.py` records for docs/vllm.md.
@@ -16,6 +16,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "experiments"))
 from is_replay import SETTINGS, build_trainer, measure  # noqa: E402
 
+from helpers.engine_helpers import VLLMServer  # noqa: E402
+from retool_trl.quickstart import model_path  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
 from retool_trl.training.sampling_mask import replay_for  # noqa: E402
 
@@ -26,9 +28,39 @@ def replay_trainer(tmp_path_factory):
         yield build_trainer(tmp_path_factory.mktemp("is_replay"), sandbox)
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(k, p) for _, k, p in SETTINGS], ids=[n for n, _, _ in SETTINGS])
+@pytest.fixture(scope="module")
+def served_replay_trainer(tmp_path_factory):
+    from trl.generation.vllm_client import VLLMClient
+
+    server = VLLMServer(model_path())
+    try:
+        with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox, pytest.MonkeyPatch.context() as patch:
+            # TRL's server-mode weight sync opens an NCCL group at init; NCCL needs CUDA. The server serves the
+            # checkpoint the trainer starts from: the same weights at step 0.
+            patch.setattr(VLLMClient, "init_communicator", lambda self, device=None: None)
+            yield build_trainer(tmp_path_factory.mktemp("is_replay_server"), sandbox, server_url=server.base_url)
+    finally:
+        server.stop()
+
+
+SETTING_PARAMS = pytest.mark.parametrize(
+    ("top_k", "top_p"), [(k, p) for _, k, p in SETTINGS], ids=[n for n, _, _ in SETTINGS]
+)
+
+
+@SETTING_PARAMS
 def test_step_zero_ratio_is_one_with_replay_and_the_kept_mass_without(replay_trainer, top_k, top_p):
-    trainer, rows = replay_trainer
+    assert_replay_corrects(replay_trainer, top_k, top_p)
+
+
+@SETTING_PARAMS
+def test_step_zero_ratio_through_the_server(served_replay_trainer, top_k, top_p):
+    """Server mode: the kept sets come from the server's top log-probs (`/v1/completions`, token ids as keys)."""
+    assert_replay_corrects(served_replay_trainer, top_k, top_p)
+
+
+def assert_replay_corrects(trainer_and_rows, top_k, top_p):
+    trainer, rows = trainer_and_rows
     with_replay = measure(trainer, rows, top_k, top_p, replay=True)
     without = measure(trainer, rows, top_k, top_p, replay=False)
     assert with_replay["kept_set_source"] in ("engine", "logprobs")

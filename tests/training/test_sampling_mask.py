@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from retool_trl.rollout.engines.vllm_colocate import kept_sets
+from retool_trl.rollout.engines.vllm_server import _take, _Turn, kept_from_top_logprobs
 from retool_trl.rollout.rows import Row
 from retool_trl.rollout.turns import EngineError, finish_turn
 from retool_trl.rollout.types import TurnOutput
@@ -130,10 +131,19 @@ def test_replay_settings_pick_the_engine_mask_or_the_log_probs_within_the_bound(
 def test_replay_is_asked_only_for_truncated_sampling_with_the_correction(monkeypatch):
     monkeypatch.setattr(sampling_mask, "engine_mask_runs", lambda: False)
     args = SimpleNamespace(
-        use_vllm=True, vllm_importance_sampling_correction=True, top_k=0, top_p=1.0, min_p=None, generation_kwargs={}
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_importance_sampling_correction=True,
+        top_k=0,
+        top_p=1.0,
+        min_p=None,
+        generation_kwargs={},
     )
     assert sampling_mask.replay_source_for(args) is None
     args.generation_kwargs = {"top_p": 0.9}
+    assert sampling_mask.replay_source_for(args) == "logprobs"
+    args.vllm_mode = "server"  # vLLM's server sends no sampling mask, whatever the engine could do
+    monkeypatch.setattr(sampling_mask, "engine_mask_runs", lambda: True)
     assert sampling_mask.replay_source_for(args) == "logprobs"
     args.vllm_importance_sampling_correction = False
     assert sampling_mask.replay_source_for(args) is None
@@ -175,3 +185,30 @@ def test_rows_align_kept_sets_with_the_completion_and_the_interpreter_mask():
     assert row.kept == [[5, 7], [6], None, None, None, None]
     assert len(row.kept) == len(row.completion_ids) == len(row.mask)
     assert TurnOutput([1]).kept is None
+
+
+def test_kept_sets_from_the_servers_top_log_probs_streamed_or_not():
+    """vLLM's server writes a removed token's `-inf` as -9999.0 and, asked with `return_tokens_as_token_ids`, keys
+    each top log-prob by `token_id:ID`."""
+    tops = [{"token_id:3": -0.1, "token_id:5": -2.4, "token_id:9": -9999.0}, {"token_id:7": 0.0}]
+    assert kept_from_top_logprobs(tops) == [[3, 5], [7]]
+
+    class Future:
+        result = None
+
+        def done(self):
+            return self.result is not None
+
+        def set_result(self, value):
+            self.result = value
+
+    turn = _Turn([1], 4, False, {}, Future())
+    first = {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-0.1], "top_logprobs": tops[:1]}}
+    last = {"index": 0, "token_ids": [7], "logprobs": {"token_logprobs": [0.0], "top_logprobs": tops[1:]}}
+    _take([turn], first)
+    _take([turn], {**last, "finish_reason": "stop"})
+    assert turn.future.result == ([3, 7], [-0.1, 0.0], [[3, 5], [7]])
+    # A chunk without top log-probs: no kept sets for the turn (the engine refuses to replay without them).
+    bare = _Turn([1], 4, False, {}, Future())
+    _take([bare], {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-0.1]}, "finish_reason": "stop"})
+    assert bare.future.result[2] is None
