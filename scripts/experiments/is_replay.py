@@ -5,18 +5,25 @@ With `top_k` / `top_p`, vLLM's log-probs are renormalised over the kept tokens a
 instead; the replay renormalises the trainer's side over the same tokens (`retool_trl.training.sampling_mask`).
 One colocated vLLM engine (vLLM's CPU build), the shipped quickstart model, one scored batch per setting and arm;
 prints a table and, with `--json`, one JSON object as the last line, and appends it to
-`scripts/results/is_replay.jsonl`. Run with `.venv-engines/bin/python` (see `scripts/test_engines.sh`):
+`scripts/results/is_replay.jsonl`. `--engine server` measures through a vLLM server instead. Run with
+`.venv-engines/bin/python` (see `scripts/test_engines.sh`):
 
     .venv-engines/bin/python scripts/experiments/is_replay.py --json
+    .venv-engines/bin/python scripts/experiments/is_replay.py --engine server --json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -103,27 +110,90 @@ def measure(trainer, rows, top_k: int, top_p: float, replay: bool) -> dict:
     }
 
 
+@contextlib.contextmanager
+def served(start: bool):
+    """A vLLM server on 127.0.0.1 serving the quickstart model (its URL), stopped on exit; `None` when not `start`.
+    TRL's server-mode weight sync opens an NCCL group at init, which CPUs lack: skipped (the server serves the
+    checkpoint the trainer starts from, the same weights at step 0)."""
+    if not start:
+        yield None
+        return
+    import httpx
+    from trl.generation.vllm_client import VLLMClient
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+    from vllm_serve import local_command
+
+    from retool_trl.quickstart import model_path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        local_command(model_path(), port, 512), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url, original = f"http://127.0.0.1:{port}", VLLMClient.init_communicator
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"the vLLM server did not start: {log.read()[-2000:].decode(errors='replace')}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        VLLMClient.init_communicator = lambda self, device=None: None
+        yield url
+    finally:
+        VLLMClient.init_communicator = original
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+        log.close()
+
+
 def main(argv=None) -> int:
     import results_log
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per batch (x4 completions)")
+    parser.add_argument(
+        "--engine",
+        choices=("colocate", "server"),
+        default="colocate",
+        help="the colocated engine, or a vLLM server started here (`scripts/serve/vllm_serve.py`) on the same model",
+    )
     results_log.add_arguments(parser)
     args = parser.parse_args(argv)
     run = results_log.conditions()
 
     from retool_trl.sandbox import LocalSandbox
 
-    figures: dict = {"temperature": TEMPERATURE, "completions": args.prompts * 4, "settings": {}}
-    with LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox, tempfile.TemporaryDirectory() as out:
-        trainer, rows = build_trainer(out, sandbox, num_prompts=args.prompts)
+    figures: dict = {
+        "engine": args.engine,
+        "temperature": TEMPERATURE,
+        "completions": args.prompts * 4,
+        "settings": {},
+    }
+    with (
+        LocalSandbox(num_workers=1, timeout_s=10.0) as sandbox,
+        tempfile.TemporaryDirectory() as out,
+        served(args.engine == "server") as url,
+    ):
+        trainer, rows = build_trainer(out, sandbox, num_prompts=args.prompts, server_url=url)
         for name, top_k, top_p in SETTINGS:
             figures["settings"][name] = {
                 "replay": measure(trainer, rows, top_k, top_p, replay=True),
                 "no_replay": measure(trainer, rows, top_k, top_p, replay=False),
             }
-    print(f"step-0 IS ratio, temperature {TEMPERATURE}, {figures['completions']} completions per setting")
+    print(
+        f"step-0 IS ratio ({args.engine}), temperature {TEMPERATURE}, {figures['completions']} completions per setting"
+    )
     print(f"{'setting':<22}{'mean (replay)':>15}{'outside':>10}{'mean (none)':>14}{'outside':>10}")
     for name, arms in figures["settings"].items():
         on, off = arms["replay"], arms["no_replay"]

@@ -508,7 +508,14 @@ IS_REPLAY = Table(
             (f"`{setting}`: tokens outside [0.9, 1.1], with / without", _is_arms(setting, "outside_0.9_1.1", ".1%")),
         )
     ]
-    + [("temperature, completions per setting", lambda r: f"{r.get('temperature')}, {r.get('completions')}")],
+    + [
+        (
+            "engine, temperature, completions per setting",
+            lambda r: f"{r.get('engine', 'colocate')}, {r.get('temperature')}, {r.get('completions')}",
+        )
+    ],
+    columns=2,
+    extra_commands=(".venv-engines/bin/python scripts/experiments/is_replay.py --engine server --json",),
 )
 
 
