@@ -45,13 +45,6 @@ def _reshaped_sampling(args, generation_kwargs: dict) -> str | None:
 
 def _replay_refusal(args, truncation: str, generation_kwargs: dict) -> str | None:
     """Why truncated sampling cannot get its kept sets replayed in this setting (one line), or `None`."""
-    fix = "or set vllm_importance_sampling_correction=False"
-    colocated_tp = args.vllm_mode == "colocate" and (args.vllm_tensor_parallel_size or 1) > 1
-    if args.rollout_mode != "async" or colocated_tp:
-        return (
-            f"ReToolConfig: {truncation} with vllm_importance_sampling_correction is corrected by the async rollout "
-            f"only (rollout_mode='async', and vllm_tensor_parallel_size=1 when colocated); set them {fix}."
-        )
     from .training.sampling_mask import refusal
 
     return refusal(truncation, generation_kwargs.get("top_k", args.top_k))

@@ -172,6 +172,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
                 max_model_len=spec.max_model_len,
+                replay=self._replay,
             )
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
         with (

@@ -13,11 +13,11 @@ ratio's input changes: the policy ratio, the loss and the old log-probs stay TRL
 
 Where the kept set comes from (`ReplaySettings.source`):
 - `engine`: vLLM's own sampling mask (the engine option `return_sampling_mask`, vLLM >= 0.28, which needs its Model
-  Runner V2: GPUs, and CPUs with triton-cpu);
-- `logprobs`: where the engine cannot return it (vLLM's CPU build without triton-cpu, and vLLM's server, which does not
-  send it), the kept set is read from the processed log-probs of the top `top_k` tokens (or of the whole vocabulary
-  without `top_k`): vLLM gives the tokens the truncation removed `-inf`, so the finite ones are exactly the kept set.
-  Exact, and bounded by `LOGPROBS_BOUND`.
+  Runner V2: GPUs, and CPUs with triton-cpu), read by the async rollout's colocated engine;
+- `logprobs`: where the mask cannot be had (vLLM's CPU build without triton-cpu, vLLM's server, which does not send
+  it, and TRL's batched `generate` of the barrier rollout, which does not pass it on), the kept set is read from the
+  processed log-probs of the top `top_k` tokens (or of the whole vocabulary without `top_k`): vLLM gives the tokens
+  the truncation removed `-inf`, so the finite ones are exactly the kept set. Exact, and bounded by `LOGPROBS_BOUND`.
 """
 
 from __future__ import annotations
@@ -229,18 +229,21 @@ def replay_source_for(args) -> str | None:
         return None
     if not truncates(_effective(args, "top_k"), _effective(args, "top_p"), _effective(args, "min_p")):
         return None
-    if args.vllm_mode == "server":  # vLLM's OpenAI server does not return its sampling mask
+    # vLLM's mask reaches only the async rollout's colocated engine (its request-level API): vLLM's server does not
+    # send it, and TRL's batched `generate` (the barrier rollout, and a colocated engine under tensor parallelism)
+    # does not pass it on. There the top log-probs carry the kept sets.
+    colocated_async = args.rollout_mode == "async" and (args.vllm_tensor_parallel_size or 1) == 1
+    if args.vllm_mode == "server" or not colocated_async:
         return "logprobs"
     return "engine" if engine_mask_runs() else "logprobs"
 
 
 def replay_for(args, vllm_generation, vocab_size: int | None = None) -> ReplaySettings:
     """The replay settings for TRL's vLLM engine: the colocated one (its vocabulary bounds the kept sets), or the
-    server (`vocab_size`: the tokenizer's; its kept sets come from the top log-probs)."""
-    if vllm_generation.mode == "server":
-        return replay_settings(_effective(args, "top_k"), vocab_size, engine_runs=False)
-    vocab_size = vllm_generation.llm.llm_engine.model_config.get_vocab_size()
-    return replay_settings(_effective(args, "top_k"), vocab_size, engine_mask_runs())
+    server (`vocab_size`: the tokenizer's); the source as `replay_source_for` picks it."""
+    if vllm_generation.mode != "server":
+        vocab_size = vllm_generation.llm.llm_engine.model_config.get_vocab_size()
+    return replay_settings(_effective(args, "top_k"), vocab_size, replay_source_for(args) == "engine")
 
 
 def lift_to_kept_mass(trainer, prompt_ids, result) -> list[list[float | None]]:

@@ -87,14 +87,16 @@ def build_trainer(output_dir, sandbox, num_prompts: int = 8, num_generations: in
     return trainer, rows
 
 
-def measure(trainer, rows, top_k: int, top_p: float, replay: bool) -> dict:
+def measure(trainer, rows, top_k: int, top_p: float, replay: bool, rollout_mode: str = "async") -> dict:
     """One scored batch at the trainer's current weights with these settings: the mean completion-token IS ratio
-    and the share outside [0.9, 1.1] (`retool/is/*`), and TRL's own mean."""
+    and the share outside [0.9, 1.1] (`retool/is/*`), and TRL's own mean. `rollout_mode="barrier"`: through TRL's
+    batched `generate` (the kept sets from the top log-probs it returns)."""
     from retool_trl.training.sampling_mask import replay_for
 
     helper = trainer.vllm_generation
     helper.top_k, helper.top_p = top_k, top_p
     trainer.args.top_k, trainer.args.top_p = top_k, top_p
+    trainer.args.rollout_mode = rollout_mode
     # None: today's uncorrected ratio.
     trainer._replay = replay_for(trainer.args, helper, len(trainer.processing_class)) if replay else None
     if helper.mode == "server":  # the server holds the checkpoint's weights; syncing needs NCCL, which CPUs lack

@@ -59,10 +59,18 @@ def test_step_zero_ratio_through_the_server(served_replay_trainer, top_k, top_p)
     assert_replay_corrects(served_replay_trainer, top_k, top_p)
 
 
-def assert_replay_corrects(trainer_and_rows, top_k, top_p):
+@SETTING_PARAMS
+@pytest.mark.parametrize("engine", ["colocate", "server"])
+def test_step_zero_ratio_in_the_barrier_rollout(replay_trainer, served_replay_trainer, engine, top_k, top_p):
+    """The barrier rollout: TRL's batched `generate` returns the top log-probs the kept sets are read from."""
+    trainer_and_rows = replay_trainer if engine == "colocate" else served_replay_trainer
+    assert_replay_corrects(trainer_and_rows, top_k, top_p, rollout_mode="barrier")
+
+
+def assert_replay_corrects(trainer_and_rows, top_k, top_p, rollout_mode="async"):
     trainer, rows = trainer_and_rows
-    with_replay = measure(trainer, rows, top_k, top_p, replay=True)
-    without = measure(trainer, rows, top_k, top_p, replay=False)
+    with_replay = measure(trainer, rows, top_k, top_p, replay=True, rollout_mode=rollout_mode)
+    without = measure(trainer, rows, top_k, top_p, replay=False, rollout_mode=rollout_mode)
     assert with_replay["kept_set_source"] in ("engine", "logprobs")
     assert with_replay["ratio_mean"] == pytest.approx(1.0, abs=0.05), with_replay
     # TRL's own ratio is the one the loss multiplies by: the same tokens, the same figure.
@@ -76,7 +84,7 @@ def test_a_training_step_logs_the_share_outside_the_band(replay_trainer):
     trainer, _ = replay_trainer
     # Back to the settings it was built with (the test above switched them): top_k=8, replay on.
     trainer.vllm_generation.top_k, trainer.vllm_generation.top_p = 8, 1.0
-    trainer.args.top_k, trainer.args.top_p = 8, 1.0
+    trainer.args.top_k, trainer.args.top_p, trainer.args.rollout_mode = 8, 1.0, "async"
     trainer._replay = replay_for(trainer.args, trainer.vllm_generation)
     trainer._metrics["train"].clear()  # the measurements above logged into the same step's metrics
     trainer.train()

@@ -133,6 +133,8 @@ def test_replay_is_asked_only_for_truncated_sampling_with_the_correction(monkeyp
     args = SimpleNamespace(
         use_vllm=True,
         vllm_mode="colocate",
+        rollout_mode="async",
+        vllm_tensor_parallel_size=1,
         vllm_importance_sampling_correction=True,
         top_k=0,
         top_p=1.0,
@@ -142,9 +144,11 @@ def test_replay_is_asked_only_for_truncated_sampling_with_the_correction(monkeyp
     assert sampling_mask.replay_source_for(args) is None
     args.generation_kwargs = {"top_p": 0.9}
     assert sampling_mask.replay_source_for(args) == "logprobs"
-    args.vllm_mode = "server"  # vLLM's server sends no sampling mask, whatever the engine could do
     monkeypatch.setattr(sampling_mask, "engine_mask_runs", lambda: True)
-    assert sampling_mask.replay_source_for(args) == "logprobs"
+    assert sampling_mask.replay_source_for(args) == "engine"
+    # vLLM's server sends no sampling mask, and TRL's batched `generate` (barrier) passes none on.
+    for setting in ({"vllm_mode": "server"}, {"rollout_mode": "barrier"}, {"vllm_tensor_parallel_size": 2}):
+        assert sampling_mask.replay_source_for(SimpleNamespace(**{**vars(args), **setting})) == "logprobs"
     args.vllm_importance_sampling_correction = False
     assert sampling_mask.replay_source_for(args) is None
 
@@ -164,6 +168,8 @@ def test_kept_sets_from_the_engine_mask_or_the_finite_processed_log_probs():
 
 class _Chars:
     """A tokenizer of one character per id (enough for `first_stop`)."""
+
+    eos_token_id = 1
 
     def decode(self, ids, **kwargs):
         return "".join(chr(96 + i) for i in ids)
@@ -212,3 +218,37 @@ def test_kept_sets_from_the_servers_top_log_probs_streamed_or_not():
     bare = _Turn([1], 4, False, {}, Future())
     _take([bare], {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-0.1]}, "finish_reason": "stop"})
     assert bare.future.result[2] is None
+
+
+class _TopLogprobsHelper:
+    """TRL's vLLM helper interface: one 3-token turn per prompt, each token with its top log-probs as TRL returns them
+    (the sampled token first, a removed token `-inf`), recording the settings each call was made with."""
+
+    mode = "colocate"
+
+    def __init__(self):
+        self.max_completion_length, self.generation_kwargs, self.logprobs = 100, {"top_p": 0.9}, 0
+        self.calls = []
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.calls.append((dict(self.generation_kwargs), self.logprobs))
+        ids = [[5, 6, 7] for _ in prompts]
+        logprobs = [[[-0.1, -2.0, -math.inf], [-0.2, -math.inf, -math.inf], [-0.3, -1.0, -1.5]] for _ in prompts]
+        token_ids = [[[5, 9, 11], [6, 9, 11], [7, 9, 11]] for _ in prompts]
+        return prompts, ids, logprobs, token_ids
+
+
+def test_the_barrier_backend_reads_kept_sets_from_the_top_log_probs_trl_returns():
+    from retool_trl.rollout.engines.vllm_batched import VLLMBackend
+
+    helper = _TopLogprobsHelper()
+    backend = VLLMBackend(helper, _Chars(), None, replay=ReplaySettings("logprobs", 3, 3))
+    [out] = backend.generate_turn([[1, 2]], [10], [False])
+    assert out.token_ids == [5, 6, 7] and out.logprobs == [-0.1, -0.2, -0.3]
+    assert out.kept == [[5, 9], [6], [7, 9, 11]]
+    [(kwargs, logprobs)] = helper.calls
+    assert kwargs["top_k"] == 3 and logprobs == 3  # asked for during the call...
+    assert helper.generation_kwargs == {"top_p": 0.9} and helper.logprobs == 0  # ...and restored after it
+    # Without the replay: no kept sets, nothing asked.
+    [plain] = VLLMBackend(helper, _Chars(), None).generate_turn([[1, 2]], [10], [False])
+    assert plain.kept is None and helper.calls[-1] == ({"top_p": 0.9}, 0)

@@ -72,15 +72,12 @@ def test_truncated_sampling_is_accepted_where_vllm_returns_its_sampling_mask(tmp
 
 
 @pytest.mark.parametrize(
-    "setting", [{"rollout_mode": "barrier"}, {"vllm_tensor_parallel_size": 2}], ids=["barrier", "colocated_tp"]
+    "setting",
+    [{"rollout_mode": "barrier"}, {"vllm_tensor_parallel_size": 2}, {"vllm_mode": "server"}],
+    ids=["barrier", "colocated_tp", "server"],
 )
-def test_replay_outside_the_async_rollout_is_refused_in_one_line(tmp_path, monkeypatch, setting):
-    """The kept sets come with each turn of the async rollout (the colocated engine's request-level API, or the
-    server's completions); TRL's batched `generate` of the barrier rollout drops them."""
+def test_replay_is_accepted_by_every_rollout_and_engine(tmp_path, monkeypatch, setting):
+    """The kept sets come with every turn: from the async rollout's colocated engine, from the server's completions,
+    and from the top log-probs TRL's batched `generate` returns (the barrier rollout)."""
     monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.32.0")
-    with pytest.raises(ValueError) as error:
-        vllm_config(tmp_path, monkeypatch, top_k=8, **setting)
-    message = str(error.value)
-    assert "\n" not in message and "rollout_mode='async'" in message
-    assert "vllm_importance_sampling_correction=False" in message
-    vllm_config(tmp_path, monkeypatch, top_k=8, vllm_mode="server")  # the server's turns carry them too
+    vllm_config(tmp_path, monkeypatch, top_k=8, **setting)
