@@ -9,7 +9,9 @@ The replay: the engine records the kept set of every sampled token, the trainer 
 over the same set (one forward pass without gradient, with the same weights as TRL's old log-probs), and the
 sampling log-probs handed to TRL become `log q + log S'`. TRL's ratio is then `exp(log p - log S' - log q)`: the
 trainer's probability renormalised over the kept set against vLLM's, which is 1 where both models agree. Only the
-ratio's input changes: the policy ratio, the loss and the old log-probs stay TRL's.
+ratio's input changes: the policy ratio, the loss and the old log-probs stay TRL's. TRL's other readers of the sampling
+log-probs (`sampling/sampling_logp_difference/*`, the off-policy sequence mask) get the lifted ones too, and so compare
+the two models rather than the truncation: 0 where they agree, where the unlifted ones read `log S`.
 
 Where the kept set comes from (`ReplaySettings.source`):
 - `engine`: vLLM's own sampling mask (the engine option `return_sampling_mask`, vLLM >= 0.28, which needs its Model
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,44 +157,44 @@ def kept_log_mass(
     completion_ids: Sequence[Sequence[int]],
     kept: Sequence[Sequence[Sequence[int] | None]],
     temperature: float,
-    batch_size: int,
-    pad_token_id: int,
 ) -> list[list[float]]:
     """`log S'` at every completion token: the log of the probability the trainer's model (at `temperature`) puts on
-    the token's kept set; 0.0 where it has none (tokens the interpreter inserted). One forward pass without gradient,
-    `batch_size` rows at a time.
+    the token's kept set; 0.0 where it has none (tokens the interpreter inserted). One forward pass without gradient
+    per row, keeping the logits of its completion positions only (`logits_to_keep`): a batch of full-vocabulary
+    logits would not fit beside a large model (8 rows x 4k tokens x 150k tokens is 20 GB in float32).
     """
     out: list[list[float]] = []
     device = next(model.parameters()).device
-    for start in range(0, len(completion_ids), batch_size):
-        rows = range(start, min(start + batch_size, len(completion_ids)))
-        seqs = [list(prompt_ids[i]) + list(completion_ids[i]) for i in rows]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(seqs), width), dtype=torch.long)
-        for r, seq in enumerate(seqs):  # right padding: positions are those of the unpadded sequence
-            ids[r, : len(seq)] = torch.tensor(seq)
-            attention[r, : len(seq)] = 1
+    for prompt, completion, row_kept in zip(prompt_ids, completion_ids, kept, strict=True):
+        ids = torch.tensor([list(prompt) + list(completion)], device=device)
         with torch.no_grad():
-            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
-        for r, i in enumerate(rows):
-            n_prompt, n = len(prompt_ids[i]), len(completion_ids[i])
-            # The logits at position j predict token j + 1: completion token t is predicted at n_prompt + t - 1.
-            scaled = logits[r, n_prompt - 1 : n_prompt - 1 + n].float() / temperature
-            out.append(log_mass(scaled, kept[i]))
+            # The logits at position j predict token j + 1: the completion's are the last len + 1 but the final one.
+            logits = model(input_ids=ids, logits_to_keep=len(completion) + 1).logits[0, :-1]
+        out.append(log_mass(logits, row_kept, temperature))
     return out
 
 
-def log_mass(scaled_logits: torch.Tensor, kept: Sequence[Sequence[int] | None]) -> list[float]:
-    """`log sum_{v in kept[t]} softmax(scaled_logits[t])_v` per position (0.0 where `kept[t]` is `None`)."""
-    total = torch.logsumexp(scaled_logits, dim=-1)
-    values = []
-    for t, ids in enumerate(kept):
-        if ids is None:
-            values.append(0.0)
-            continue
-        index = torch.tensor(list(ids), dtype=torch.long, device=scaled_logits.device)
-        values.append((torch.logsumexp(scaled_logits[t, index], dim=-1) - total[t]).item())
+def log_mass(
+    logits: torch.Tensor, kept: Sequence[Sequence[int] | None], temperature: float = 1.0, chunk: int = 256
+) -> list[float]:
+    """`log sum_{v in kept[t]} softmax(logits[t] / temperature)_v` per position (0.0 where `kept[t]` is `None`),
+    `chunk` positions at a time in float32."""
+    values: list[float] = []
+    for start in range(0, len(kept), chunk):
+        part = kept[start : start + chunk]
+        scaled = logits[start : start + len(part)].float() / temperature
+        width = max((len(ids) for ids in part if ids is not None), default=0) or 1
+        index = torch.zeros((len(part), width), dtype=torch.long)
+        valid = torch.zeros((len(part), width), dtype=torch.bool)
+        for t, ids in enumerate(part):
+            if ids:
+                index[t, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+                valid[t, : len(ids)] = True
+        index, valid = index.to(scaled.device), valid.to(scaled.device)
+        on_kept = scaled.gather(1, index).masked_fill(~valid, -math.inf)
+        mass = torch.logsumexp(on_kept, dim=-1) - torch.logsumexp(scaled, dim=-1)
+        mass = mass.masked_fill(~valid.any(dim=-1), 0.0)
+        values.extend(mass.tolist())
     return values
 
 
@@ -256,13 +259,7 @@ def lift_to_kept_mass(trainer, prompt_ids, result) -> list[list[float | None]]:
         )
     with trainer.accelerator.autocast():
         masses = kept_log_mass(
-            trainer.model,
-            prompt_ids,
-            result.completion_ids,
-            result.sampling_mask,
-            trainer.temperature,
-            trainer.args.per_device_train_batch_size,
-            trainer._tokenizer.pad_token_id or 0,
+            trainer.model, prompt_ids, result.completion_ids, result.sampling_mask, trainer.temperature
         )
     return lift_logprobs(result.logprobs, masses)
 

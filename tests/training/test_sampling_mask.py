@@ -81,17 +81,19 @@ def test_kept_log_mass_matches_a_full_forward_and_a_softmax_over_the_kept_set(mo
         expected_renorm.append(renorm)
         full_logp.append(full)
 
-    got = kept_log_mass(model, prompts, completions, kept, temperature, batch_size=3, pad_token_id=0)
+    got = kept_log_mass(model, prompts, completions, kept, temperature)
     for row, want in zip(got, expected_mass, strict=True):
         assert row == pytest.approx(want, abs=1e-5)
     for row_got, row_full, row_renorm, row_kept in zip(got, full_logp, expected_renorm, kept, strict=True):
         for mass, full, renorm, ids in zip(row_got, row_full, row_renorm, row_kept, strict=True):
             if ids is not None:
                 assert full - mass == pytest.approx(renorm, abs=1e-5)
-    # Batched one row at a time: the same.
-    one_by_one = kept_log_mass(model, prompts, completions, kept, temperature, batch_size=1, pad_token_id=0)
-    for row, want in zip(one_by_one, got, strict=True):
-        assert row == pytest.approx(want, abs=1e-5)
+    # In chunks of positions: the same.
+    logits = torch.randn(9, VOCAB, generator=g)
+    sets = [[1, 2, 3], None, [4], [5, 6], None, [7, 8, 9, 10], [11], [12, 13], [0]]
+    assert sampling_mask.log_mass(logits, sets, 0.7, chunk=2) == pytest.approx(
+        sampling_mask.log_mass(logits, sets, 0.7, chunk=256), abs=1e-6
+    )
 
 
 def test_the_lift_makes_trls_ratio_the_renormalised_one():
