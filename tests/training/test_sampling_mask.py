@@ -254,3 +254,21 @@ def test_the_barrier_backend_reads_kept_sets_from_the_top_log_probs_trl_returns(
     # Without the replay: no kept sets, nothing asked.
     [plain] = VLLMBackend(helper, _Chars(), None).generate_turn([[1, 2]], [10], [False])
     assert plain.kept is None and helper.calls[-1] == ({"top_p": 0.9}, 0)
+
+
+@pytest.mark.parametrize(
+    ("source", "extra"), [("engine", {"return_sampling_mask": True}), ("logprobs", {"max_logprobs": -1}), (None, {})]
+)
+def test_trls_colocated_llm_is_built_with_the_option_the_replay_needs(monkeypatch, source, extra):
+    import trl.generation.vllm_generation as helper_module
+
+    built = []
+
+    def fake_llm(**kwargs):
+        built.append(kwargs)
+
+    monkeypatch.setattr(helper_module, "LLM", fake_llm, raising=False)
+    with sampling_mask.engine_options(source):
+        helper_module.LLM(model="m", logprobs_mode="processed_logprobs")
+    assert built == [{"model": "m", "logprobs_mode": "processed_logprobs", **extra}]
+    assert helper_module.LLM is fake_llm  # restored
