@@ -85,10 +85,11 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         check_answer_column(reward_funcs, *datasets)
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
         # Truncated sampling with the IS correction: the engine is built to report each token's kept set.
-        replay_source = replay_source_for(args)
-        with engine_options(replay_source):
+        with engine_options(replay_source_for(args)) as built:
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        self._replay = replay_for(args, self.vllm_generation, len(self._tokenizer)) if replay_source else None
+        self._replay = None
+        if built["source"]:
+            self._replay = replay_for(args, self.vllm_generation, len(self._tokenizer), built["source"])
         check_chat_template(self.processing_class, datasets, model)
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
         self._call_format = format_of(args).from_config(args, self._tokenizer)

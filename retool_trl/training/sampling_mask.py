@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from packaging.version import Version
+
+logger = logging.getLogger(__name__)
 
 # The vLLM release whose engine returns the sampling mask (`return_sampling_mask`).
 MASK_VLLM_VERSION = "0.28"
@@ -132,21 +135,38 @@ def replay_settings(top_k, vocab_size: int, engine_runs: bool | None = None) -> 
 def engine_options(settings_source: str | None):
     """Builds TRL's colocated `LLM` with the option the replay needs (TRL's constructor has no hook for engine
     options): `return_sampling_mask` for the engine's mask, no cap on log-probs per token for the `logprobs` source.
-    Only the `LLM` TRL's helper module constructs is wrapped, only while the trainer is built."""
+    Only the `LLM` TRL's helper module constructs is wrapped, only while the trainer is built.
+
+    Yields `{"source": ...}`: the source the engine was built for. vLLM refuses the mask where its Model Runner V2
+    does not run (a feature it does not support yet, a platform without Triton), before it starts anything: the
+    engine is then built for the `logprobs` source instead, with a warning, rather than the run failing."""
+    built = {"source": settings_source}
     if settings_source is None:
-        yield
+        yield built
         return
     import trl.generation.vllm_generation as helper_module
 
     original = helper_module.LLM
-    extra = {"return_sampling_mask": True} if settings_source == "engine" else {"max_logprobs": -1}
+    without_mask = {"max_logprobs": -1}
 
     def build(*args, **kwargs):
-        return original(*args, **{**kwargs, **extra})
+        if built["source"] != "engine":
+            return original(*args, **{**kwargs, **without_mask})
+        try:
+            return original(*args, **{**kwargs, "return_sampling_mask": True})
+        except ValueError as exc:  # pydantic's ValidationError is one
+            if "sampling distribution replay" not in str(exc) and "Model Runner V2" not in str(exc):
+                raise
+            logger.warning(
+                "vLLM cannot return its sampling mask here (%s); the kept sets are read from the top log-probs",
+                " ".join(str(exc).split())[:300],
+            )
+            built["source"] = "logprobs"
+            return original(*args, **{**kwargs, **without_mask})
 
     helper_module.LLM = build
     try:
-        yield
+        yield built
     finally:
         helper_module.LLM = original
 
@@ -241,12 +261,14 @@ def replay_source_for(args) -> str | None:
     return "engine" if engine_mask_runs() else "logprobs"
 
 
-def replay_for(args, vllm_generation, vocab_size: int | None = None) -> ReplaySettings:
+def replay_for(args, vllm_generation, vocab_size: int | None = None, source: str | None = None) -> ReplaySettings:
     """The replay settings for TRL's vLLM engine: the colocated one (its vocabulary bounds the kept sets), or the
-    server (`vocab_size`: the tokenizer's); the source as `replay_source_for` picks it."""
+    server (`vocab_size`: the tokenizer's); `source` as the engine was built (`engine_options`), else as
+    `replay_source_for` picks it."""
     if vllm_generation.mode != "server":
         vocab_size = vllm_generation.llm.llm_engine.model_config.get_vocab_size()
-    return replay_settings(_effective(args, "top_k"), vocab_size, replay_source_for(args) == "engine")
+    source = source or replay_source_for(args)
+    return replay_settings(_effective(args, "top_k"), vocab_size, source == "engine")
 
 
 def lift_to_kept_mass(trainer, prompt_ids, result) -> list[list[float | None]]:

@@ -272,3 +272,27 @@ def test_trls_colocated_llm_is_built_with_the_option_the_replay_needs(monkeypatc
         helper_module.LLM(model="m", logprobs_mode="processed_logprobs")
     assert built == [{"model": "m", "logprobs_mode": "processed_logprobs", **extra}]
     assert helper_module.LLM is fake_llm  # restored
+
+
+def test_an_engine_that_refuses_the_mask_is_built_for_the_log_probs_instead(monkeypatch):
+    """vLLM refuses `return_sampling_mask` (at its config check, before it starts anything) where Model Runner V2 does
+    not run: the engine is built without it and the kept sets are read from the top log-probs; any other refusal
+    stays the user's to see."""
+    import trl.generation.vllm_generation as helper_module
+
+    built = []
+
+    def fake_llm(**kwargs):
+        if kwargs.get("model") == "bad":
+            raise ValueError("max_model_len is too large")
+        if kwargs.get("return_sampling_mask"):
+            raise ValueError("Value error, sampling distribution replay requires Model Runner V2")
+        built.append(kwargs)
+
+    monkeypatch.setattr(helper_module, "LLM", fake_llm, raising=False)
+    with sampling_mask.engine_options("engine") as engine:
+        helper_module.LLM(model="m")
+    assert engine == {"source": "logprobs"} and built == [{"model": "m", "max_logprobs": -1}]
+    with pytest.raises(ValueError, match="too large"), sampling_mask.engine_options("engine") as other:
+        helper_module.LLM(model="bad")
+    assert other == {"source": "engine"} and len(built) == 1
