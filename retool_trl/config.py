@@ -43,6 +43,13 @@ def _reshaped_sampling(args, generation_kwargs: dict) -> str | None:
     return ", ".join(f"{name}={values[name]!r}" for name in changed) or None
 
 
+def _replay_refusal(args, truncation: str, generation_kwargs: dict) -> str | None:
+    """Why truncated sampling cannot get its kept sets replayed in this setting (one line), or `None`."""
+    from .training.sampling_mask import refusal
+
+    return refusal(truncation, generation_kwargs.get("top_k", args.top_k))
+
+
 def _bf16_supported() -> bool:
     """Whether transformers would accept `bf16=True` without `use_cpu` (a bf16 GPU, or an XLA device)."""
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -221,12 +228,12 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             )
         truncation = _truncated_sampling(self, generation_kwargs)
         if truncation and self.use_vllm and self.vllm_importance_sampling_correction:
-            raise ValueError(
-                f"ReToolConfig: {truncation} with vllm_importance_sampling_correction biases the correction (vLLM's "
-                "log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the whole "
-                "vocabulary, so every weight is scaled by the kept probability mass, not corrected); sample without "
-                "truncation (top_p=1.0, top_k=0, min_p=0.0) or set vllm_importance_sampling_correction=False."
-            )
+            # vLLM's log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the
+            # whole vocabulary: the trainer replays each token's kept set (`training.sampling_mask`) so the weights
+            # correct rather than scale by the kept mass. Refused where the kept sets cannot be had.
+            problem = _replay_refusal(self, truncation, generation_kwargs)
+            if problem:
+                raise ValueError(problem)
         reshaped = _reshaped_sampling(self, generation_kwargs)
         if reshaped and self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(

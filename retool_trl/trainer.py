@@ -40,6 +40,7 @@ from .sandbox.factory import sandbox_from_config, with_cell_limits
 from .training.dynamic_sampling import dynamic_sampler
 from .training.inputs import check_answer_column, check_chat_template, with_shaping
 from .training.metrics import rollout_metrics
+from .training.sampling_mask import engine_options, lift_to_kept_mass, log_is_outside, replay_for, replay_source_for
 from .training.sandbox_health import SandboxHealth
 from .training.stability import dropped_from_loss, resample_on_correct, select_rows
 from .training.stage_timings import StageTimings
@@ -83,7 +84,12 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         datasets = [kwargs.get("train_dataset"), kwargs.get("eval_dataset"), *pos[:2]]  # by keyword or position
         check_answer_column(reward_funcs, *datasets)
         reward_funcs = [bind_config(func, args) for func in reward_funcs]
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        # Truncated sampling with the IS correction: the engine is built to report each token's kept set.
+        with engine_options(replay_source_for(args)) as built:
+            super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        self._replay = None
+        if built["source"]:
+            self._replay = replay_for(args, self.vllm_generation, len(self._tokenizer), built["source"])
         check_chat_template(self.processing_class, datasets, model)
         # Built now: a chat template that cannot carry the tool calls is refused before any step runs.
         self._call_format = format_of(args).from_config(args, self._tokenizer)
@@ -167,6 +173,7 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
                 accelerator=self.accelerator,
                 profiler=lambda: profiling_context(self, "vLLM.generate"),
                 max_model_len=spec.max_model_len,
+                replay=self._replay,
             )
             return interleaved_rollout(prompt_ids, backend, self.sandbox, self._tokenizer, spec)
         with (
@@ -186,9 +193,14 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         """The per-completion turn engine of the async rollout: the vLLM server's completions endpoint, or the
         colocated engine's request-level API."""
         if self.vllm_generation.mode == "colocate":
-            return ColocateEngine(self.vllm_generation, self._tokenizer, self._call_format.stop)
+            return ColocateEngine(self.vllm_generation, self._tokenizer, self._call_format.stop, replay=self._replay)
         return server_engine_from_config(
-            self.args, self._tokenizer, self.vllm_generation, server_url(self.args), self._engine_max_model_len()
+            self.args,
+            self._tokenizer,
+            self.vllm_generation,
+            server_url(self.args),
+            self._engine_max_model_len(),
+            replay=self._replay,
         )
 
     def _engine_max_model_len(self) -> int | None:
@@ -267,6 +279,8 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         if "tool_mask" in output:
             kept = (output["completion_mask"] * output["tool_mask"]).sum()
             output["num_items_in_batch"] = self.accelerator.gather(kept).sum()
+        if self.use_vllm and self.args.vllm_importance_sampling_correction:
+            log_is_outside(self, output)
         return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -320,10 +334,14 @@ class ReToolTrainer(StageTimings, GRPOTrainer):
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
+        logprobs = result.logprobs
+        if self._replay is not None and logprobs is not None:  # the kept mass goes into the IS ratio's input only
+            with profiling_context(self, "sampling_mask.kept_mass"):
+                logprobs = lift_to_kept_mass(self, prompt_ids, result)
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": result.completion_ids,
-            "logprobs": result.logprobs,
+            "logprobs": logprobs,
             "env_mask": result.interpreter_mask,
             # Per-completion facts only: TRL hands them to every reward function as kwargs (and writes them into the
             # batch rows). Settings of the built-in rewards are bound from the config instead (`bind_config`).

@@ -25,6 +25,7 @@ class Row:
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    kept: list[list[int] | None] = field(default_factory=list)  # each token's kept set (sampling-mask replay)
     errors: int = 0
     timeouts: int = 0
     infra_errors: int = 0
@@ -48,18 +49,21 @@ class Row:
             room = min(room, spec.max_model_len - len(self.prompt_ids) - len(self.completion_ids))
         return room
 
-    def append(self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None) -> None:
+    def append(
+        self, ids: Sequence[int], mask_value: int, logprobs: Sequence[float] | None, kept: Sequence | None = None
+    ) -> None:
         self.completion_ids.extend(ids)
         self.mask.extend([mask_value] * len(ids))
         # Environment tokens were not sampled; 0.0 is a placeholder that the mask keeps out of every loss term.
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.kept.extend(kept if kept is not None else [None] * len(ids))
 
     def take_turn(self, out: TurnOutput, text: str, spec: RolloutSpec, eos: set[int]) -> list[Call]:
         """Appends a generated turn (`text` is its decoded tokens); returns the calls to run now, if any."""
         fmt = spec.call_format
         prefix = self.prompt_ids + self.completion_ids if fmt.calls_at_turn_end else None
         self.turns += 1
-        self.append(out.token_ids, 1, out.logprobs)
+        self.append(out.token_ids, 1, out.logprobs, out.kept)
         text, self.carry = self.carry + text, ""
         ended = not out.token_ids or out.token_ids[-1] in eos or out.finished
         # Out of budget or out of context: cut at the limit, the completion ends truncated (not a void turn).
@@ -128,6 +132,8 @@ def rollout_result(
         num_void_turns=[r.void_turns for r in rows],
         engine_calls=[engine_calls] * len(rows),
         num_engine_timeouts=[r.engine_timeouts for r in rows],
+        # Only where the engine reported kept sets (sampling-mask replay); `None` entries: tokens without one.
+        sampling_mask=[r.kept for r in rows] if any(k is not None for r in rows for k in r.kept) else None,
     )
 
 

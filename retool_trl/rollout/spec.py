@@ -87,6 +87,9 @@ class RolloutResult:
     engine_calls: list[int] = field(default_factory=list)
     # Turns that outlasted the user's request timeout (`vllm_request_timeout_s`); such a row is also `infra_failed`.
     num_engine_timeouts: list[int] = field(default_factory=list)
+    # Each token's kept set where the engine reported them (sampling-mask replay, `training.sampling_mask`): the ids
+    # the truncation kept when it was sampled, `None` for tokens the interpreter inserted. `None` otherwise.
+    sampling_mask: list[list[list[int] | None]] | None = None
 
     def extra_fields(self) -> dict[str, list]:
         return {name: getattr(self, name) for name in ROLLOUT_FIELDS}

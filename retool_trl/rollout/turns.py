@@ -53,6 +53,7 @@ def finish_turn(
     stop_at_code_end: bool,
     max_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
+    kept: Sequence[Sequence[int]] | None = None,
 ) -> TurnOutput:
     """The turn as the rollout takes it, from an engine's reply (asked with `turn_stops(...)` and the stop strings
     kept in the output).
@@ -61,9 +62,15 @@ def finish_turn(
     user's stop string ends the completion (`TurnOutput.finished`); the code-end tag ends only the turn.
 
     Raises:
-        EngineError: The engine returned a different number of log-probs than tokens (they could not be aligned).
+        EngineError: The engine returned a different number of log-probs (or kept sets) than tokens (they could not
+            be aligned).
     """
     ids = list(token_ids)
+    if kept is not None and len(kept) != len(ids):
+        raise EngineError(
+            f"the engine returned {len(kept)} sampling masks for {len(ids)} tokens: the kept sets cannot be aligned "
+            "with the tokens"
+        )
     if logprobs is not None and len(logprobs) != len(ids):
         raise EngineError(
             f"the engine returned {len(logprobs)} log-probs for {len(ids)} tokens: the sampling log-probs cannot be "
@@ -83,8 +90,8 @@ def finish_turn(
         if token in stop_ids:
             ids, finished = ids[: k + 1], True
             break
-    kept = [_logprob(lp) for lp in logprobs[: len(ids)]] if logprobs is not None else None
-    return TurnOutput(ids, kept, finished)
+    kept_lps = [_logprob(lp) for lp in logprobs[: len(ids)]] if logprobs is not None else None
+    return TurnOutput(ids, kept_lps, finished, kept=None if kept is None else [list(k) for k in kept[: len(ids)]])
 
 
 def fitting_parts(lengths: Sequence[int], budgets: Sequence[int], limit: int | None) -> list[list[int]]:

@@ -15,13 +15,15 @@ class TurnOutput:
     an EOS token, or at the budget. `logprobs` are the sampling log-probabilities of those tokens, if the backend
     has them. `finished` is set when the turn ended at one of the user's stop strings (`generation_kwargs["stop"]`):
     the completion ends there, as at EOS. `aborted` is set when the engine gave the turn up (vLLM's `finish_reason`
-    "abort"): the turn did not end, and the completion is an engine failure, not the model's.
+    "abort"): the turn did not end, and the completion is an engine failure, not the model's. `kept` is, where the
+    engine was asked for it (sampling-mask replay), the token ids the truncation kept at each sampled token.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     finished: bool = False
     aborted: bool = False
+    kept: list[list[int]] | None = None
 
 
 class GenerationBackend(Protocol):

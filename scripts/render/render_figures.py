@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Renders the figure tables of README.md, docs/performance.md and docs/quickstart.md from `scripts/results/*.jsonl`.
+"""Renders the figure tables of README.md and the docs (performance, quickstart, vllm) from `scripts/results/*.jsonl`.
 
 Each table sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in its page; the prose around it stays
 hand-written. Under each table a line names its source: the results file, the lines, the command and the date,
@@ -31,7 +31,7 @@ import render_quickstart  # noqa: E402
 import results_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md")
+PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md", "docs/vllm.md")
 IGNORED_FLAGS = {"--json", "--no-record"}  # change what is printed, not what is measured
 
 
@@ -484,9 +484,44 @@ STAGES = Table(
 )
 
 
+def _is_arms(setting: str, key: str, fmt: str) -> Cell:
+    """`key` of one sampling setting, with the replay / without it."""
+
+    def cell(r: dict) -> str:
+        arms = r.get("settings", {}).get(setting)
+        if not arms:
+            return "—"
+        return f"**{num(arms['replay'][key], fmt)}** / {num(arms['no_replay'][key], fmt)}"
+
+    return cell
+
+
+IS_SETTINGS = ("top_k=8", "top_p=0.8", "top_k=20,top_p=0.95")
+IS_REPLAY = Table(
+    "is_replay",
+    ".venv-engines/bin/python scripts/experiments/is_replay.py --json",
+    [
+        row
+        for setting in IS_SETTINGS
+        for row in (
+            (f"`{setting}`: mean IS ratio, with replay / without", _is_arms(setting, "ratio_mean", ".3f")),
+            (f"`{setting}`: tokens outside [0.9, 1.1], with / without", _is_arms(setting, "outside_0.9_1.1", ".1%")),
+        )
+    ]
+    + [
+        (
+            "engine, temperature, completions per setting",
+            lambda r: f"{r.get('engine', 'colocate')}, {r.get('temperature')}, {r.get('completions')}",
+        )
+    ],
+    columns=2,
+    extra_commands=(".venv-engines/bin/python scripts/experiments/is_replay.py --engine server --json",),
+)
+
+
 def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
-    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD, STAGES):
+    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD, STAGES, IS_REPLAY):
         rendered[table.benchmark] = render_table(table, directory)
     rendered.update(render_quickstart.blocks(directory))
     rendered.update(render_capacity.blocks(directory))

@@ -115,3 +115,17 @@ def test_vllm_generation_state_the_backends_read():
     missing = [name for name in used if f"self.{name} =" not in source]
     assert not missing, f"VLLMGeneration no longer sets {missing}"
     assert callable(VLLMGeneration.sync_weights)
+
+
+def test_the_is_ratio_the_sampling_mask_replay_feeds():
+    """The replay (`training.sampling_mask`) lifts the rollout's sampling log-probs by the trainer's kept mass, and
+    reads the scored batch for `retool/is/*`: TRL must compute its vLLM ratio as exp(old - sampling) from the
+    rollout's log-probs, keep both tensors in the batch, and build its colocated `LLM` through the name the replay
+    wraps to ask for the kept sets."""
+    import trl.generation.vllm_generation as helper_module
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "old_per_token_logps - sampling_per_token_logps" in source
+    assert 'output["old_per_token_logps"]' in source and 'output["sampling_per_token_logps"]' in source
+    helper_source = inspect.getsource(helper_module)  # `LLM` is a module global there (imported where vLLM is)
+    assert "self.llm = LLM(" in helper_source and re.search(r"^\s+from vllm import .*\bLLM\b", helper_source, re.M)

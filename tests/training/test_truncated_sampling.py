@@ -1,15 +1,17 @@
-"""Truncated sampling (top_k/top_p/min_p) beside vLLM's importance-sampling correction: refused, and why."""
+"""Truncated sampling (top_k/top_p/min_p) beside vLLM's importance-sampling correction: why the plain ratio is biased,
+when the combination is accepted (sampling-mask replay, `training.sampling_mask`) and when it is refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from retool_trl import ReToolConfig
+from retool_trl.training import sampling_mask
 
 
 def test_the_bias_of_truncated_sampling_is_the_kept_mass():
-    """Why it is refused, on a real distribution: the ratio TRL computes (the trainer's full-vocabulary log-prob of
-    the sampled token minus vLLM's processed one, renormalised over the top-p set) is log(kept mass) for every kept
+    """Why it needs the replay, on a real distribution: the ratio TRL computes (the trainer's full-vocabulary log-prob
+    of the sampled token minus vLLM's processed one, renormalised over the top-p set) is log(kept mass) for every kept
     token, whichever was sampled: a constant scaling of the loss, not a correction."""
     import torch
 
@@ -38,20 +40,44 @@ def vllm_config(tmp_path, monkeypatch, **overrides):
 
 @pytest.mark.parametrize(
     "sampling",
-    [{"top_p": 0.95}, {"top_k": 20}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}}],
-    ids=["top_p", "top_k", "min_p", "generation_kwargs"],
+    [{"top_p": 0.95}, {"top_k": 2000}, {"min_p": 0.05}, {"generation_kwargs": {"top_p": 0.9}}],
+    ids=["top_p", "top_k_past_the_bound", "min_p", "generation_kwargs"],
 )
-def test_truncated_sampling_with_vllm_importance_sampling_is_refused_in_one_line(tmp_path, monkeypatch, sampling):
-    """`top_p < 1`, `top_k > 0` or `min_p > 0` sampling on vLLM with TRL 1.16's importance-sampling correction (on by
-    default): vLLM's log-probs are renormalised over the kept tokens (`processed_logprobs`), the trainer's are not,
-    so each weight is the kept mass, not a correction (checked on a real distribution below). Before, the run
-    trained with biased weights; now the combination is refused in one line that names both fixes."""
+def test_truncated_sampling_is_refused_in_one_line_where_vllm_has_no_sampling_mask(tmp_path, monkeypatch, sampling):
+    """A vLLM without the sampling mask (before 0.28) and no `top_k` within the bound of the log-probs source: the
+    kept sets cannot be had, so the combination is refused in one line that names the vLLM release needed and the
+    fixes."""
+    monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.27.1")
     with pytest.raises(ValueError) as error:
         vllm_config(tmp_path, monkeypatch, **sampling)
     message = str(error.value)
-    assert "\n" not in message and "vllm_importance_sampling_correction=False" in message and "top_p=1.0" in message
+    assert "\n" not in message and "vllm_importance_sampling_correction=False" in message
+    assert f"vLLM >= {sampling_mask.MASK_VLLM_VERSION}" in message and "installed: 0.27.1" in message
     name = next(iter(sampling if "generation_kwargs" not in sampling else sampling["generation_kwargs"]))
     assert f"{name}=" in message
     # Either fix is accepted; so is truncation without vLLM (no importance weights at all).
     vllm_config(tmp_path, monkeypatch, vllm_importance_sampling_correction=False, **sampling)
     vllm_config(tmp_path, monkeypatch)
+    # top_k within the bound: the kept set is read from the top_k processed log-probs, on any vLLM.
+    vllm_config(tmp_path, monkeypatch, top_k=20, top_p=0.9)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"top_p": 0.8}, {"top_k": 8}, {"min_p": 0.05}, {"top_k": 20, "top_p": 0.95}], ids=str
+)
+def test_truncated_sampling_is_accepted_where_vllm_returns_its_sampling_mask(tmp_path, monkeypatch, sampling):
+    monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.32.0")
+    args = vllm_config(tmp_path, monkeypatch, **sampling)
+    assert args.vllm_importance_sampling_correction
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"rollout_mode": "barrier"}, {"vllm_tensor_parallel_size": 2}, {"vllm_mode": "server"}],
+    ids=["barrier", "colocated_tp", "server"],
+)
+def test_replay_is_accepted_by_every_rollout_and_engine(tmp_path, monkeypatch, setting):
+    """The kept sets come with every turn: from the async rollout's colocated engine, from the server's completions,
+    and from the top log-probs TRL's batched `generate` returns (the barrier rollout)."""
+    monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.32.0")
+    vllm_config(tmp_path, monkeypatch, top_k=8, **setting)

@@ -11,6 +11,7 @@ CPU platform, whose linear layers are repacked after loading and no longer accep
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,15 @@ class FailedRequest(str):
     """Stands for each row's prompt ids when a request of the main process failed (the server refused it, a
     connection dropped). It travels in TRL's broadcast to every process, which then raises the same error: raised on
     the main process alone, the others would wait in that broadcast until the process group's timeout."""
+
+
+def kept_from_logprobs(token_ids: list[list[int]], logprobs: list[list[float | None]]) -> list[list[int]]:
+    """Each token's kept set from TRL's per-token top log-probs and their token ids: the tokens whose processed
+    log-prob is finite (vLLM gives a token the truncation removed `-inf`, its server -9999.0)."""
+    return [
+        [t for t, lp in zip(ids, lps, strict=True) if lp is not None and -9999.0 < lp < math.inf]
+        for ids, lps in zip(token_ids, logprobs, strict=True)
+    ]
 
 
 class VLLMBackend:
@@ -52,10 +62,23 @@ class VLLMBackend:
         max_model_len: The server's context limit (server mode): TRL's client sends one `max_tokens` for all prompts
             of a call, which vLLM refuses whole (HTTP 400) when any prompt plus it passes the limit, so the prompts
             that would not fit beside the others go in requests of their own.
+        replay: With truncated sampling and the importance-sampling correction, each sampled token's kept set is
+            read from the processed log-probs of the top `replay.top_k` tokens TRL's helper returns (those the
+            truncation removed are `-inf`; TRL's helper does not pass vLLM's sampling mask on); `None` asks for none.
     """
 
-    def __init__(self, vllm_generation, tokenizer, code_end: str, accelerator=None, profiler=None, max_model_len=None):
+    def __init__(
+        self,
+        vllm_generation,
+        tokenizer,
+        code_end: str,
+        accelerator=None,
+        profiler=None,
+        max_model_len=None,
+        replay=None,
+    ):
         self.vllm_generation = vllm_generation
+        self.replay = replay
         self.tokenizer = tokenizer
         self.code_end = code_end
         self.accelerator = accelerator
@@ -124,7 +147,7 @@ class VLLMBackend:
                 self._server_requests(counts[stop] if counts else None, total, budgets.get(stop)),
                 self._short_padding(counts[stop] if counts else None, total),
             ):
-                echoed, completion_ids, logprobs = self._call(
+                echoed, completion_ids, logprobs, logprob_ids = self._call(
                     prompts, max(max_tokens, 1), turn_stops(self.code_end, stops, stop)
                 )
             failed = next((e for e in echoed or () if isinstance(e, FailedRequest)), None)
@@ -136,8 +159,24 @@ class VLLMBackend:
                     continue
                 # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
                 lps = [lp[0] for lp in logprobs[k]] if logprobs is not None else None
+                kept = None
+                if self.replay is not None:
+                    if logprobs is None or logprob_ids is None:  # stop rather than train on a biased correction
+                        raise RuntimeError(
+                            "TRL's vLLM helper returned no top log-probs for a turn sampled with truncation: the "
+                            "importance-sampling correction cannot be replayed"
+                        )
+                    kept = kept_from_logprobs(logprob_ids[k], logprobs[k])
                 outputs[i] = finish_turn(
-                    completion_ids[k], lps, self.tokenizer, self.code_end, stops, stop, max_new_tokens[i], stop_ids
+                    completion_ids[k],
+                    lps,
+                    self.tokenizer,
+                    self.code_end,
+                    stops,
+                    stop,
+                    max_new_tokens[i],
+                    stop_ids,
+                    kept=kept,
                 )
         return outputs
 
@@ -276,20 +315,25 @@ class VLLMBackend:
         """One `helper.generate` call with this group's token budget and stop strings (restored afterwards)."""
         self._keep_awake()
         helper = self.vllm_generation
-        saved = helper.max_completion_length, helper.generation_kwargs
+        saved = helper.max_completion_length, helper.generation_kwargs, getattr(helper, "logprobs", 0)
         kwargs = dict(saved[1] or {})
         kwargs.pop("stop", None)
         if stops:  # the user's stop strings on every turn, the code-end tag while calls are left
             kwargs.update(stop=stops, include_stop_str_in_output=True)
+        if self.replay is not None:  # the top_k log-probs carry the kept set (the vocabulary without a top_k)
+            kwargs["top_k"] = self.replay.top_k
+            helper.logprobs = max(saved[2] or 0, self.replay.num_logprobs)
         helper.max_completion_length, helper.generation_kwargs = max_tokens, kwargs
         self.engine_calls += 1
         try:
-            prompt_ids, completion_ids, logprobs, _ = helper.generate(
+            prompt_ids, completion_ids, logprobs, logprob_ids = helper.generate(
                 prompts=prompts, images=None, num_generations=1, profiler=self.profiler() if self.profiler else None
             )
         finally:
-            helper.max_completion_length, helper.generation_kwargs = saved
-        return prompt_ids, completion_ids, logprobs
+            helper.max_completion_length, helper.generation_kwargs = saved[:2]
+            if self.replay is not None:
+                helper.logprobs = saved[2]
+        return prompt_ids, completion_ids, logprobs, logprob_ids
 
     def _keep_awake(self) -> None:
         # With sleep mode, TRL's helper sleeps (and later re-syncs all weights) after every call; a rollout makes a

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import uuid
 
 from ..turns import EngineError, EngineRequestError, finish_turn, turn_stops, user_stop_ids, user_stops
@@ -34,9 +35,11 @@ class ColocateEngine:
         vllm_generation: TRL's `VLLMGeneration` in colocate mode (its `llm` is the engine).
         tokenizer: The policy tokenizer.
         code_end: The code-end tag.
+        replay: With truncated sampling and the importance-sampling correction, how each sampled token's kept set
+            is asked for (`training.sampling_mask.ReplaySettings`); `None` asks for none.
     """
 
-    def __init__(self, vllm_generation, tokenizer, code_end: str):
+    def __init__(self, vllm_generation, tokenizer, code_end: str, replay=None):
         helper = vllm_generation
         if getattr(helper, "tensor_parallel_size", 1) > 1:
             raise ValueError(
@@ -49,6 +52,7 @@ class ColocateEngine:
         self.stops = user_stops(helper.generation_kwargs)
         self.stop_ids = user_stop_ids(helper.generation_kwargs)
         self.requests = 0
+        self.replay = replay
         self._prefix = f"retool-{uuid.uuid4().hex[:8]}-"
         self._ids = itertools.count()
         self._waiting: dict[str, tuple[asyncio.Future, bool, int]] = {}
@@ -144,6 +148,11 @@ class ColocateEngine:
         elif isinstance(kwargs.get("structured_outputs"), dict):
             kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         kwargs.pop("stop", None)
+        if self.replay is not None:
+            # vLLM's mask needs a top_k to size its buffers (the vocabulary where the user set none: keeps every
+            # token, the same sampling); the log-probs source reads the kept set from the top_k log-probs.
+            kwargs["top_k"] = self.replay.top_k
+            kwargs["logprobs"] = max(kwargs["logprobs"] or 0, self.replay.num_logprobs)
         if stops := turn_stops(self.code_end, self.stops, stop_at_code_end):
             kwargs.update(stop=stops, include_stop_str_in_output=True)
         params = SamplingParams(**kwargs)
@@ -174,9 +183,41 @@ class ColocateEngine:
             logprobs = (
                 [s[t].logprob for t, s in zip(tokens, steps)] if len(steps) == len(tokens) else [0.0] * len(steps)
             )
+        kept = None
+        if self.replay is not None:
+            kept = kept_sets(completion, self.replay.source)
+            if kept is None:  # a run that asked for the replay stops rather than train on a biased correction
+                raise RuntimeError(
+                    f"the colocated vLLM engine returned no kept sets ({self.replay.source}) for a turn sampled with "
+                    "truncation: the importance-sampling correction cannot be replayed"
+                )
         return finish_turn(
-            completion.token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop, budget, self.stop_ids
+            completion.token_ids,
+            logprobs,
+            self.tokenizer,
+            self.code_end,
+            self.stops,
+            stop,
+            budget,
+            self.stop_ids,
+            kept=kept,
         )
+
+
+def kept_sets(completion, source: str) -> list[list[int]] | None:
+    """Each generated token's kept set from one vLLM `CompletionOutput`; `None` when the engine returned none.
+
+    `source="engine"`: vLLM's own sampling mask (`CompletionOutput.sampling_mask.token_ids`, one list of kept ids per
+    token). `source="logprobs"`: the tokens of the returned processed log-probs that are finite (vLLM gives the tokens
+    the truncation removed `-inf`); exact when the engine was asked for at least as many log-probs as tokens kept.
+    """
+    if source == "engine":
+        mask = getattr(completion, "sampling_mask", None)
+        return None if mask is None else [list(ids) for ids in mask.token_ids]
+    steps = completion.logprobs
+    if steps is None:
+        return None
+    return [[t for t, lp in step.items() if math.isfinite(lp.logprob)] for step in steps]
 
 
 def wake_for_rollout(helper) -> bool:
@@ -201,4 +242,4 @@ def sleep_after_rollout(helper) -> None:
     helper._llm_weights_sleeping, helper.enable_sleep_mode = True, True
 
 
-__all__ = ["ColocateEngine", "sleep_after_rollout", "wake_for_rollout"]
+__all__ = ["ColocateEngine", "kept_sets", "sleep_after_rollout", "wake_for_rollout"]

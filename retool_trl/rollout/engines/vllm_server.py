@@ -42,6 +42,7 @@ class _Turn:
     future: asyncio.Future
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
+    kept: list[list[int]] | None = field(default_factory=list)  # from the top log-probs (sampling-mask replay)
 
     def group(self) -> tuple:
         """Turns of one request share their sampling fields and stop strings; their token budgets differ (one per
@@ -79,6 +80,9 @@ class CompletionsEngine:
             name is asked from there. A request's `max_tokens` is one for all its prompts, and vLLM refuses the whole
             request (HTTP 400) when any prompt plus that budget passes the limit: turns that would not fit beside the
             others go in a request of their own.
+        replay: With truncated sampling and the importance-sampling correction, the kept set of each sampled token
+            is read from the server's processed log-probs of the top `replay.top_k` tokens (`kept_from_top_logprobs`;
+            vLLM's server does not return its sampling mask); `None` asks for none.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class CompletionsEngine:
         transport: httpx.AsyncBaseTransport | None = None,
         coalesce: bool = True,
         max_model_len: int | None = None,
+        replay=None,
     ):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
@@ -102,6 +107,11 @@ class CompletionsEngine:
         self.stops = user_stops(self.sampling)
         self.sampling.pop("stop", None)
         self.stop_ids = user_stop_ids(self.sampling)
+        self.replay = replay
+        self.num_logprobs = 0  # the sampled token's log-prob only
+        if replay is not None:  # the top_k (the vocabulary without one: every token kept) and as many log-probs
+            self.sampling["top_k"] = replay.top_k
+            self.num_logprobs = replay.num_logprobs
         self.max_model_len = max_model_len
         self.model = model
         self.timeout_s = timeout_s
@@ -146,11 +156,28 @@ class CompletionsEngine:
             self._sender = asyncio.create_task(self._send_ready())
         try:
             # On timeout the future is cancelled: its stream stops waiting for it (and is closed once nobody waits).
-            token_ids, logprobs = await asyncio.wait_for(turn.future, self.timeout_s)
+            token_ids, logprobs, kept = await asyncio.wait_for(turn.future, self.timeout_s)
         except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before Python 3.11
             raise EngineTimeoutError(f"the turn took longer than {self.timeout_s} s") from exc
+        return self._finish(token_ids, logprobs, kept, stop_at_code_end, max_tokens)
+
+    def _finish(self, token_ids, logprobs, kept, stop_at_code_end: bool, max_tokens: int) -> TurnOutput:
+        if self.replay is not None and kept is None:  # a run that asked for the replay stops rather than train biased
+            raise RuntimeError(
+                "the vLLM server returned no top log-probs for a turn sampled with truncation: the importance-"
+                "sampling correction cannot be replayed (is it started with `--max-logprobs -1`, as `trl vllm-serve` "
+                "does?)"
+            )
         return finish_turn(
-            token_ids, logprobs, self.tokenizer, self.code_end, self.stops, stop_at_code_end, max_tokens, self.stop_ids
+            token_ids,
+            logprobs,
+            self.tokenizer,
+            self.code_end,
+            self.stops,
+            stop_at_code_end,
+            max_tokens,
+            self.stop_ids,
+            kept=kept if self.replay is not None else None,
         )
 
     async def _send_ready(self) -> None:
@@ -183,7 +210,7 @@ class CompletionsEngine:
             "model": self.model,
             "prompt": prompts if len(prompts) > 1 else prompts[0],
             "max_tokens": max(turn.max_tokens for turn in turns),
-            "logprobs": 0,
+            "logprobs": self.num_logprobs,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             **self.sampling,
@@ -221,7 +248,7 @@ class CompletionsEngine:
             "model": self.model,
             "prompt": token_ids,
             "max_tokens": max_tokens,
-            "logprobs": 0,
+            "logprobs": self.num_logprobs,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             **self.sampling,
@@ -235,16 +262,9 @@ class CompletionsEngine:
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if choice.get("finish_reason") == "abort":
             raise EngineError("the server aborted the request (finish_reason 'abort'): the turn did not finish")
-        return finish_turn(
-            choice["token_ids"],
-            logprobs,
-            self.tokenizer,
-            self.code_end,
-            self.stops,
-            stop_at_code_end,
-            max_tokens,
-            self.stop_ids,
-        )
+        tops = (choice.get("logprobs") or {}).get("top_logprobs")
+        kept = kept_from_top_logprobs(tops) if tops is not None else None
+        return self._finish(choice["token_ids"], logprobs, kept, stop_at_code_end, max_tokens)
 
 
 def _take(turns: list[_Turn], choice: dict, final: bool = False) -> None:
@@ -261,12 +281,27 @@ def _take(turns: list[_Turn], choice: dict, final: bool = False) -> None:
         turn.logprobs.extend(logprobs or [])
     else:
         turn.logprobs = None  # tokens without log-probs: none for the turn
+    tops = (choice.get("logprobs") or {}).get("top_logprobs")
+    if turn.kept is not None and (tops is not None or not ids):
+        turn.kept.extend(kept_from_top_logprobs(tops or []))
+    else:
+        turn.kept = None
     reason = choice.get("finish_reason")
     if reason == "abort" and not turn.future.done():
         # vLLM aborts a request it cannot finish (engine failure, a reset under it): the turn did not end.
         turn.future.set_exception(EngineError("the server aborted this sequence's request (finish_reason 'abort')"))
     elif (final or reason is not None) and not turn.future.done():
-        turn.future.set_result((turn.token_ids, turn.logprobs))
+        turn.future.set_result((turn.token_ids, turn.logprobs, turn.kept))
+
+
+def kept_from_top_logprobs(tops: list[dict | None]) -> list[list[int]]:
+    """Each token's kept set from a `/v1/completions` reply's `top_logprobs` (keys `token_id:ID`, as asked with
+    `return_tokens_as_token_ids`): the tokens whose processed log-prob is finite. vLLM's server writes the `-inf` of
+    a token the truncation removed as -9999.0 (JSON has no infinity)."""
+    return [
+        [int(key.rsplit(":", 1)[1]) for key, value in (top or {}).items() if value is not None and value > -9999.0]
+        for top in tops
+    ]
 
 
 def sampling_from_vllm(vllm_generation) -> dict:
@@ -286,7 +321,7 @@ def sampling_from_vllm(vllm_generation) -> dict:
 
 
 def server_engine_from_config(
-    args, tokenizer, vllm_generation, base_url: str, max_model_len: int | None = None
+    args, tokenizer, vllm_generation, base_url: str, max_model_len: int | None = None, replay=None
 ) -> CompletionsEngine:
     """The trainer's server-mode engine: TRL's sampling settings, the request timeout of `ReToolConfig`
     (`vllm_request_timeout_s`, none by default: `vllm_server_timeout` is how long to wait for the server to start,
@@ -299,6 +334,7 @@ def server_engine_from_config(
         timeout_s=args.vllm_request_timeout_s,
         max_connections=args.rollout_concurrency,
         max_model_len=max_model_len,
+        replay=replay,
     )
 
 
@@ -338,6 +374,7 @@ def served_max_model_len(url: str) -> int | None | str:
 __all__ = [
     "CompletionsEngine",
     "async_applies",
+    "kept_from_top_logprobs",
     "sampling_from_vllm",
     "served_max_model_len",
     "server_engine_from_config",
