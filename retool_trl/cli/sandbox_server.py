@@ -120,6 +120,14 @@ def main(argv: Sequence[str]) -> int:
     # One line of what holds and what does not; each missing protection in full is in GET /health's `missing`.
     where = " What it does not give, in full: GET /health ('missing')." if report.get("missing") else ""
     print(f"[retool-trl] sandbox isolation: {report.get('summary', report.get('isolation'))}{where}", flush=True)
+    # How many sessions the memory budget holds at once: every live session reserves its `memory_mb`, so a trainer
+    # that keeps more rollouts in flight than this waits on 429s; said at the start rather than found in a slow run.
+    print(
+        f"[retool-trl] memory budget {table.memory_budget_mb} MB: at most "
+        f"{table.memory_budget_mb // config.memory_mb} live sessions of the default {config.memory_mb} MB at once "
+        "(a session asking for less takes less; --total-memory-mb sets the budget).",
+        flush=True,
+    )
     app = create_app(config, table)
     print(f"[retool-trl] sandbox server on http://{config.host}:{config.port}", flush=True)
     uvicorn.run(

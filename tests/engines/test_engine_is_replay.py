@@ -75,8 +75,9 @@ def assert_replay_corrects(trainer_and_rows, top_k, top_p, rollout_mode="async")
     assert with_replay["ratio_mean"] == pytest.approx(1.0, abs=0.05), with_replay
     # TRL's own ratio is the one the loss multiplies by: the same tokens, the same figure.
     assert with_replay["trl_ratio_mean"] == pytest.approx(with_replay["ratio_mean"], abs=1e-4)
-    # Today's ratio (no replay) is the kept mass: below 1 by more than the tolerance, and off the band more often.
-    assert without["ratio_mean"] < 0.95, without
+    # Without replay the ratio is the kept mass: clearly below the replayed one (by 0.07-0.08 in these settings; the
+    # margin asked is half that, so sampling noise cannot flip it), and off the band more often.
+    assert without["ratio_mean"] < with_replay["ratio_mean"] - 0.035, (without, with_replay)
     assert without["outside_0.9_1.1"] > with_replay["outside_0.9_1.1"]
 
 

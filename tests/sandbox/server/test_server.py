@@ -3,6 +3,7 @@
 sessions, the in-repo SandboxFusion fake giving the model the same text, the bound on running calls, a bearer token,
 idle expiry, a client that leaves mid-call, a server killed mid-call, and a graceful stop that kills every jail."""
 
+import re
 import threading
 import time
 
@@ -312,6 +313,10 @@ def test_graceful_stop_finishes_running_calls_and_kills_every_jail():
             time.sleep(0.2)
         assert not [pid for pid in tree if alive(pid)]
         assert "sandbox isolation:" in out
+        # An operator learns at the start how many sessions its memory budget holds (each reserves its memory_mb).
+        line = next(x for x in out.splitlines() if "memory budget" in x)
+        mb, sessions = (int(n) for n in re.search(r"budget (\d+) MB: at most (\d+) live sessions", line).groups())
+        assert sessions == mb // 1024 and sessions >= 1, line
     finally:
         srv.kill()
 
