@@ -50,7 +50,8 @@ def test_quickstart_help_gives_each_option_one_default():
     flat = " ".join(text.split())
     assert "(default: None)" not in flat
     assert flat.count("the shipped model") == 1
-    assert "(default: 50; multiturn: 60; emerge: 120)" in flat  # the per-task defaults are still named
+    # the per-task and per-format defaults are still named
+    assert "(default: 50; multiturn: 60; emerge: 120; markdown: 60; tool_call: 60)" in flat
 
 
 def test_eval_help_lists_multiturn_and_what_eval_parses():

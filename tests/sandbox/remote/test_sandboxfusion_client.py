@@ -112,11 +112,16 @@ def test_unreachable_service(server):
 
 
 def test_requests_run_concurrently_and_in_order(sandbox):
+    """Four sessions' cells run at once: each cell reports when it slept, and all four sleeps overlap (a serial
+    client would give four disjoint intervals). Read from the cells' own clocks, not a wall-time bound, so a loaded
+    machine that starts jails slowly cannot fail it."""
     sessions = [sandbox.session() for _ in range(4)]
-    start = time.monotonic()
-    results = sandbox.run_many([(s, f"import time\ntime.sleep(0.5)\nprint({i})") for i, s in enumerate(sessions)])
-    assert time.monotonic() - start < 1.6
-    assert [r.output for r in results] == ["0\n", "1\n", "2\n", "3\n"]
+    code = "import time\nt0 = time.time()\ntime.sleep(1.0)\nprint({i}, t0, time.time())"
+    results = sandbox.run_many([(s, code.format(i=i)) for i, s in enumerate(sessions)])
+    spans = [r.output.split() for r in results]
+    assert [int(span[0]) for span in spans] == [0, 1, 2, 3], [r.output for r in results]
+    starts, ends = [float(span[1]) for span in spans], [float(span[2]) for span in spans]
+    assert max(starts) < min(ends), (starts, ends)
     s = sessions[0]
     ordered = sandbox.run_many([(s, "a = 1"), (s, "a += 1"), (s, "print(a)")])
     assert ordered[2].output == "2\n"
