@@ -207,7 +207,9 @@ def log_mass(
         index = torch.zeros((len(part), width), dtype=torch.long)
         valid = torch.zeros((len(part), width), dtype=torch.bool)
         for t, ids in enumerate(part):
-            if ids:
+            if ids is not None and len(ids) == 0:  # its mass is 0, not 1: the engine's reply was not a kept set
+                raise ValueError(f"sampling-mask replay: an empty kept set at position {start + t}")
+            if ids is not None:
                 index[t, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
                 valid[t, : len(ids)] = True
         index, valid = index.to(scaled.device), valid.to(scaled.device)
