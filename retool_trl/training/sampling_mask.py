@@ -98,14 +98,25 @@ def engine_mask_runs() -> bool:
     return bool(HAS_TRITON) and not current_platform.is_cpu()
 
 
-def refusal(truncation: str, top_k) -> str | None:
+def refusal(truncation: str, top_k, logprobs_only: str | None = None) -> str | None:
     """Why truncated sampling cannot be corrected with the installed vLLM (one line), or `None` when it can: the
     engine's mask, or the `logprobs` source within its bound (`top_k` set; without it the bound is the vocabulary,
-    checked when the engine is built)."""
+    checked when the engine is built). `logprobs_only`: the setting that rules the engine's mask out whatever the
+    vLLM (`vllm_mode='server'`, the barrier rollout, tensor parallelism; see `replay_source_for`), so that only
+    `top_k` within the bound is accepted."""
+    within = top_k is not None and 0 < top_k <= LOGPROBS_BOUND
+    if logprobs_only is not None:
+        if within:
+            return None
+        return (
+            f"ReToolConfig: {truncation} with vllm_importance_sampling_correction and {logprobs_only} reads each "
+            f"token's kept set from its top log-probs (this setting gets no sampling mask from vLLM), which needs "
+            f"top_k <= {LOGPROBS_BOUND}; set top_k, or set vllm_importance_sampling_correction=False."
+        )
     version = vllm_version()
     if version is not None and Version(version).release >= Version(MASK_VLLM_VERSION).release:
         return None  # a version check: importing vLLM to look costs seconds at every config
-    if top_k is not None and 0 < top_k <= LOGPROBS_BOUND:
+    if within:
         return None
     return (
         f"ReToolConfig: {truncation} with vllm_importance_sampling_correction needs vLLM >= {MASK_VLLM_VERSION} "
