@@ -246,11 +246,13 @@ def ratio_stats(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: tor
     """`[tokens outside BAND, tokens, sum of ratios]` over the masked completion tokens: the per-token ratio TRL
     corrects with, before its truncation or masking, so the figure reads the same in every
     `vllm_importance_sampling_mode`."""
-    ratio = torch.exp(old_logps - sampling_logps)
+    ratio = torch.exp(old_logps.double() - sampling_logps.double())
     keep = mask.bool() & ~torch.isnan(ratio)
     ratio = ratio[keep]
     outside = ((ratio < BAND[0]) | (ratio > BAND[1])).sum()
-    return torch.stack([outside.float(), torch.tensor(float(ratio.numel()), device=ratio.device), ratio.sum().float()])
+    # float64: a float32 sum of many ratios near 1 loses the digits the mean is read to.
+    count = torch.tensor(float(ratio.numel()), dtype=torch.float64, device=ratio.device)
+    return torch.stack([outside.double(), count, ratio.sum()])
 
 
 def _effective(args, name: str):
@@ -288,6 +290,8 @@ def lift_to_kept_mass(trainer, prompt_ids, result) -> list[list[float | None]]:
     """The rollout's sampling log-probs lifted by the trainer's kept mass (`lift_logprobs`), with the weights the
     rollout was sampled with (TRL synced them before the rollout and computes its old log-probs with the same)."""
     if result.sampling_mask is None:
+        if not any(m for mask in result.interpreter_mask for m in mask):
+            return result.logprobs  # no row sampled a token (every turn aborted): nothing to lift, rows infra-failed
         raise RuntimeError(
             "sampling-mask replay: the rollout carries no kept sets, so the importance-sampling correction of "
             "truncated sampling cannot be made unbiased"

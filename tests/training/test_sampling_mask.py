@@ -117,6 +117,18 @@ def test_ratio_stats_count_masked_tokens_only():
     outside, tokens, total = ratio_stats(old, sampling, mask).tolist()
     assert (outside, tokens) == (2, 5)
     assert total == pytest.approx(1.0 + 0.5 + 1.2 + 1.05 + 0.95)
+    # Summed in float64: a float32 sum over a step's tokens (millions) loses the digits the mean is read to.
+    assert ratio_stats(old, sampling, mask).dtype == torch.float64
+
+
+def test_a_batch_without_a_sampled_token_is_not_lifted():
+    """Every turn aborted: no row has a token the engine sampled, so no kept set; the rows are infra-failed already
+    and their log-probs go to TRL as they are. Sampled tokens without kept sets still stop the run."""
+    result = SimpleNamespace(sampling_mask=None, interpreter_mask=[[0], [0, 0]], logprobs=[[None], [None, None]])
+    assert sampling_mask.lift_to_kept_mass(None, [[1], [1]], result) == [[None], [None, None]]
+    result.interpreter_mask = [[0], [1, 0]]
+    with pytest.raises(RuntimeError, match="carries no kept sets"):
+        sampling_mask.lift_to_kept_mass(None, [[1], [1]], result)
 
 
 def test_replay_settings_pick_the_engine_mask_or_the_log_probs_within_the_bound():
