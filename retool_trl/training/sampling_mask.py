@@ -1,4 +1,5 @@
-"""Sampling-mask replay: an unbiased vLLM importance-sampling correction under truncated sampling.
+"""Sampling-mask replay: vLLM's importance-sampling correction under truncated sampling, unbiased with respect to the
+trainer's distribution truncated to the same kept set (the one vLLM samples from), not the untruncated one.
 
 With `top_k`, `top_p` or `min_p`, vLLM samples from the tokens the truncation keeps, and the log-probs it returns
 (TRL asks for processed ones) are renormalised over that kept set: `log q = log p - log S`, `S` the kept probability
