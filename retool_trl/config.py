@@ -47,7 +47,18 @@ def _replay_refusal(args, truncation: str, generation_kwargs: dict) -> str | Non
     """Why truncated sampling cannot get its kept sets replayed in this setting (one line), or `None`."""
     from .training.sampling_mask import refusal
 
-    return refusal(truncation, generation_kwargs.get("top_k", args.top_k))
+    # Where the kept sets come from the top log-probs whatever the vLLM (`sampling_mask.replay_source_for`).
+    tensor_parallel = args.vllm_tensor_parallel_size or 1
+    logprobs_only = (
+        "vllm_mode='server'"
+        if args.vllm_mode == "server"
+        else "rollout_mode='barrier'"
+        if args.rollout_mode == "barrier"
+        else f"vllm_tensor_parallel_size={tensor_parallel}"
+        if tensor_parallel > 1
+        else None
+    )
+    return refusal(truncation, generation_kwargs.get("top_k", args.top_k), logprobs_only)
 
 
 def _bf16_supported() -> bool:

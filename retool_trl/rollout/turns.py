@@ -63,7 +63,7 @@ def finish_turn(
 
     Raises:
         EngineError: The engine returned a different number of log-probs (or kept sets) than tokens (they could not
-            be aligned).
+            be aligned), or a kept set without its sampled token (an empty one included).
     """
     ids = list(token_ids)
     if kept is not None and len(kept) != len(ids):
@@ -71,6 +71,12 @@ def finish_turn(
             f"the engine returned {len(kept)} sampling masks for {len(ids)} tokens: the kept sets cannot be aligned "
             "with the tokens"
         )
+    for t, (token, kept_t) in enumerate(zip(ids, kept or (), strict=False)):
+        if token not in kept_t:  # an empty set too: the replay would read its mass as 1, silently biased
+            raise EngineError(
+                f"the engine's kept set at token {t} does not hold the sampled token {token} "
+                f"({len(kept_t)} tokens kept): the importance-sampling correction cannot be replayed"
+            )
     if logprobs is not None and len(logprobs) != len(ids):
         raise EngineError(
             f"the engine returned {len(logprobs)} log-probs for {len(ids)} tokens: the sampling log-probs cannot be "

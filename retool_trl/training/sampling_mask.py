@@ -1,4 +1,5 @@
-"""Sampling-mask replay: an unbiased vLLM importance-sampling correction under truncated sampling.
+"""Sampling-mask replay: vLLM's importance-sampling correction under truncated sampling, unbiased with respect to the
+trainer's distribution truncated to the same kept set (the one vLLM samples from), not the untruncated one.
 
 With `top_k`, `top_p` or `min_p`, vLLM samples from the tokens the truncation keeps, and the log-probs it returns
 (TRL asks for processed ones) are renormalised over that kept set: `log q = log p - log S`, `S` the kept probability
@@ -98,14 +99,25 @@ def engine_mask_runs() -> bool:
     return bool(HAS_TRITON) and not current_platform.is_cpu()
 
 
-def refusal(truncation: str, top_k) -> str | None:
+def refusal(truncation: str, top_k, logprobs_only: str | None = None) -> str | None:
     """Why truncated sampling cannot be corrected with the installed vLLM (one line), or `None` when it can: the
     engine's mask, or the `logprobs` source within its bound (`top_k` set; without it the bound is the vocabulary,
-    checked when the engine is built)."""
+    checked when the engine is built). `logprobs_only`: the setting that rules the engine's mask out whatever the
+    vLLM (`vllm_mode='server'`, the barrier rollout, tensor parallelism; see `replay_source_for`), so that only
+    `top_k` within the bound is accepted."""
+    within = top_k is not None and 0 < top_k <= LOGPROBS_BOUND
+    if logprobs_only is not None:
+        if within:
+            return None
+        return (
+            f"ReToolConfig: {truncation} with vllm_importance_sampling_correction and {logprobs_only} reads each "
+            f"token's kept set from its top log-probs (this setting gets no sampling mask from vLLM), which needs "
+            f"top_k <= {LOGPROBS_BOUND}; set top_k, or set vllm_importance_sampling_correction=False."
+        )
     version = vllm_version()
     if version is not None and Version(version).release >= Version(MASK_VLLM_VERSION).release:
         return None  # a version check: importing vLLM to look costs seconds at every config
-    if top_k is not None and 0 < top_k <= LOGPROBS_BOUND:
+    if within:
         return None
     return (
         f"ReToolConfig: {truncation} with vllm_importance_sampling_correction needs vLLM >= {MASK_VLLM_VERSION} "
@@ -207,7 +219,9 @@ def log_mass(
         index = torch.zeros((len(part), width), dtype=torch.long)
         valid = torch.zeros((len(part), width), dtype=torch.bool)
         for t, ids in enumerate(part):
-            if ids:
+            if ids is not None and len(ids) == 0:  # its mass is 0, not 1: the engine's reply was not a kept set
+                raise ValueError(f"sampling-mask replay: an empty kept set at position {start + t}")
+            if ids is not None:
                 index[t, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
                 valid[t, : len(ids)] = True
         index, valid = index.to(scaled.device), valid.to(scaled.device)
@@ -233,11 +247,13 @@ def ratio_stats(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: tor
     """`[tokens outside BAND, tokens, sum of ratios]` over the masked completion tokens: the per-token ratio TRL
     corrects with, before its truncation or masking, so the figure reads the same in every
     `vllm_importance_sampling_mode`."""
-    ratio = torch.exp(old_logps - sampling_logps)
+    ratio = torch.exp(old_logps.double() - sampling_logps.double())
     keep = mask.bool() & ~torch.isnan(ratio)
     ratio = ratio[keep]
     outside = ((ratio < BAND[0]) | (ratio > BAND[1])).sum()
-    return torch.stack([outside.float(), torch.tensor(float(ratio.numel()), device=ratio.device), ratio.sum().float()])
+    # float64: a float32 sum of many ratios near 1 loses the digits the mean is read to.
+    count = torch.tensor(float(ratio.numel()), dtype=torch.float64, device=ratio.device)
+    return torch.stack([outside.double(), count, ratio.sum()])
 
 
 def _effective(args, name: str):
@@ -275,6 +291,8 @@ def lift_to_kept_mass(trainer, prompt_ids, result) -> list[list[float | None]]:
     """The rollout's sampling log-probs lifted by the trainer's kept mass (`lift_logprobs`), with the weights the
     rollout was sampled with (TRL synced them before the rollout and computes its old log-probs with the same)."""
     if result.sampling_mask is None:
+        if not any(m for mask in result.interpreter_mask for m in mask):
+            return result.logprobs  # no row sampled a token (every turn aborted): nothing to lift, rows infra-failed
         raise RuntimeError(
             "sampling-mask replay: the rollout carries no kept sets, so the importance-sampling correction of "
             "truncated sampling cannot be made unbiased"

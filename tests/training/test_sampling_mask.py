@@ -117,6 +117,18 @@ def test_ratio_stats_count_masked_tokens_only():
     outside, tokens, total = ratio_stats(old, sampling, mask).tolist()
     assert (outside, tokens) == (2, 5)
     assert total == pytest.approx(1.0 + 0.5 + 1.2 + 1.05 + 0.95)
+    # Summed in float64: a float32 sum over a step's tokens (millions) loses the digits the mean is read to.
+    assert ratio_stats(old, sampling, mask).dtype == torch.float64
+
+
+def test_a_batch_without_a_sampled_token_is_not_lifted():
+    """Every turn aborted: no row has a token the engine sampled, so no kept set; the rows are infra-failed already
+    and their log-probs go to TRL as they are. Sampled tokens without kept sets still stop the run."""
+    result = SimpleNamespace(sampling_mask=None, interpreter_mask=[[0], [0, 0]], logprobs=[[None], [None, None]])
+    assert sampling_mask.lift_to_kept_mass(None, [[1], [1]], result) == [[None], [None, None]]
+    result.interpreter_mask = [[0], [1, 0]]
+    with pytest.raises(RuntimeError, match="carries no kept sets"):
+        sampling_mask.lift_to_kept_mass(None, [[1], [1]], result)
 
 
 def test_replay_settings_pick_the_engine_mask_or_the_log_probs_within_the_bound():
@@ -185,6 +197,17 @@ def test_a_turn_keeps_one_kept_set_per_token_it_keeps():
         finish_turn(ids, None, _Chars(), None, [], False, max_tokens=4, kept=kept[:3])
 
 
+@pytest.mark.parametrize("bad", [[], [7, 9]])
+def test_a_kept_set_without_its_sampled_token_stops_the_turn(bad):
+    """An empty kept set (a server's missing `top_logprobs` entry) or one without the sampled token is not a kept
+    set: read as one, the replay would take its mass as 1 (or miss the token's) and the correction would be biased."""
+    with pytest.raises(EngineError, match="does not hold the sampled token 2"):
+        finish_turn([1, 2], None, _Chars(), None, [], False, max_tokens=2, kept=[[1], bad])
+    assert kept_from_top_logprobs([None]) == [[]]  # what the server's reply gives for a missing entry
+    with pytest.raises(ValueError, match="empty kept set at position 1"):
+        sampling_mask.log_mass(torch.zeros(2, VOCAB), [[1], []])
+
+
 def test_rows_align_kept_sets_with_the_completion_and_the_interpreter_mask():
     row = Row(prompt_ids=[1])
     row.append([5, 6], 1, [-0.5, -0.2], [[5, 7], [6]])
@@ -224,7 +247,8 @@ def test_kept_sets_from_the_servers_top_log_probs_streamed_or_not():
 
 class _TopLogprobsHelper:
     """TRL's vLLM helper interface: one 3-token turn per prompt, each token with its top log-probs as TRL returns them
-    (the sampled token first, a removed token `-inf`), recording the settings each call was made with."""
+    (rank order, most probable first, so the sampled token is not always first; a removed token `-inf`), recording
+    the settings each call was made with."""
 
     mode = "colocate"
 
@@ -235,8 +259,8 @@ class _TopLogprobsHelper:
     def generate(self, prompts, images, num_generations, profiler=None):
         self.calls.append((dict(self.generation_kwargs), self.logprobs))
         ids = [[5, 6, 7] for _ in prompts]
-        logprobs = [[[-0.1, -2.0, -math.inf], [-0.2, -math.inf, -math.inf], [-0.3, -1.0, -1.5]] for _ in prompts]
-        token_ids = [[[5, 9, 11], [6, 9, 11], [7, 9, 11]] for _ in prompts]
+        logprobs = [[[-0.2, -2.0, -math.inf], [-0.2, -math.inf, -math.inf], [-0.5, -1.0, -1.5]] for _ in prompts]
+        token_ids = [[[9, 5, 11], [6, 9, 11], [9, 11, 7]] for _ in prompts]
         return prompts, ids, logprobs, token_ids
 
 
@@ -246,14 +270,23 @@ def test_the_barrier_backend_reads_kept_sets_from_the_top_log_probs_trl_returns(
     helper = _TopLogprobsHelper()
     backend = VLLMBackend(helper, _Chars(), None, replay=ReplaySettings("logprobs", 3, 3))
     [out] = backend.generate_turn([[1, 2]], [10], [False])
-    assert out.token_ids == [5, 6, 7] and out.logprobs == [-0.1, -0.2, -0.3]
-    assert out.kept == [[5, 9], [6], [7, 9, 11]]
+    assert out.token_ids == [5, 6, 7] and out.logprobs == [-2.0, -0.2, -1.5]  # the sampled tokens', not the first
+    assert out.kept == [[9, 5], [6], [9, 11, 7]]
     [(kwargs, logprobs)] = helper.calls
     assert kwargs["top_k"] == 3 and logprobs == 3  # asked for during the call...
     assert helper.generation_kwargs == {"top_p": 0.9} and helper.logprobs == 0  # ...and restored after it
     # Without the replay: no kept sets, nothing asked.
     [plain] = VLLMBackend(helper, _Chars(), None).generate_turn([[1, 2]], [10], [False])
     assert plain.kept is None and helper.calls[-1] == ({"top_p": 0.9}, 0)
+    assert plain.logprobs == [-2.0, -0.2, -1.5]
+
+
+def test_the_barrier_backend_refuses_top_log_probs_without_the_sampled_token():
+    from retool_trl.rollout.engines.vllm_batched import sampled_logprobs
+
+    assert sampled_logprobs([5], [[-0.1]], None) == [-0.1]  # TRL asked for the sampled token's alone
+    with pytest.raises(EngineError, match="sampled token 5 at position 1"):
+        sampled_logprobs([6, 5], [[-0.1, -2.0], [-0.3, -0.4]], [[6, 9], [9, 11]])
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,29 @@ def test_replay_is_accepted_by_every_rollout_and_engine(tmp_path, monkeypatch, s
     and from the top log-probs TRL's batched `generate` returns (the barrier rollout)."""
     monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.32.0")
     vllm_config(tmp_path, monkeypatch, top_k=8, **setting)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"rollout_mode": "barrier"}, {"vllm_tensor_parallel_size": 2}, {"vllm_mode": "server"}],
+    ids=["barrier", "colocated_tp", "server"],
+)
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 2000}], ids=str)
+def test_settings_without_the_engine_mask_refuse_a_top_k_past_the_bound_in_the_config(
+    tmp_path, monkeypatch, setting, sampling
+):
+    """The server, the barrier rollout and tensor parallelism read the kept sets from the top log-probs whatever the
+    vLLM: without `top_k` within the bound the config refuses (before any model or engine is loaded), in one line
+    that names the setting and the fix."""
+    monkeypatch.setattr(sampling_mask, "vllm_version", lambda: "0.32.0")
+    with pytest.raises(ValueError) as error:
+        vllm_config(tmp_path, monkeypatch, **sampling, **setting)
+    message = str(error.value)
+    name, value = next(iter(setting.items()))
+    assert "\n" not in message and f"{name}={value!r}" in message
+    assert (
+        f"top_k <= {sampling_mask.LOGPROBS_BOUND}" in message
+        and "vllm_importance_sampling_correction=False" in message
+    )
+    vllm_config(tmp_path, monkeypatch, **{**sampling, "top_k": 8}, **setting)
+    vllm_config(tmp_path, monkeypatch, **sampling)  # the async colocated engine has vLLM's mask

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...format.parsing import first_stop  # noqa: F401 - re-exported (tests import it from here)
-from ..turns import finish_turn, fitting_parts, turn_stops, user_stop_ids, user_stops
+from ..turns import EngineError, finish_turn, fitting_parts, turn_stops, user_stop_ids, user_stops
 from ..types import TurnOutput
 from .vllm_colocate import sleep_after_rollout, wake_for_rollout
 
@@ -40,6 +40,28 @@ def kept_from_logprobs(token_ids: list[list[int]], logprobs: list[list[float | N
         [t for t, lp in zip(ids, lps, strict=True) if lp is not None and -9999.0 < lp < math.inf]
         for ids, lps in zip(token_ids, logprobs, strict=True)
     ]
+
+
+def sampled_logprobs(
+    completion_ids: list[int], logprobs: list[list[float | None]], logprob_ids: list[list[int]] | None
+) -> list[float | None]:
+    """Each sampled token's log-prob from TRL's per-token top log-probs, picked by token id: TRL returns them in rank
+    order (most probable first), and the sampled token is not the most probable one wherever sampling did not take
+    the mode. Without token ids (`logprob_ids` None), TRL was asked for the sampled token's alone (`logprobs=0`)."""
+    if logprob_ids is None:
+        return [lp[0] for lp in logprobs]
+    if len(logprob_ids) != len(completion_ids):  # `finish_turn` explains the count mismatch
+        return [lp[0] for lp in logprobs]
+    picked = []
+    for t, (token, lps_t, ids_t) in enumerate(zip(completion_ids, logprobs, logprob_ids, strict=True)):
+        try:
+            picked.append(lps_t[ids_t.index(token)])
+        except ValueError:
+            raise EngineError(
+                f"TRL's vLLM helper returned no log-prob for the sampled token {token} at position {t} (its top "
+                f"log-probs are of {ids_t[:8]}): the sampling log-probs cannot be read"
+            ) from None
+    return picked
 
 
 class VLLMBackend:
@@ -157,8 +179,10 @@ class VLLMBackend:
                 if echoed is not None and echoed[k] is None:  # the server aborted this row's request
                     outputs[i] = TurnOutput([], [], aborted=True)
                     continue
-                # TRL's helper returns top-k logprobs per token; the first is the sampled token's.
-                lps = [lp[0] for lp in logprobs[k]] if logprobs is not None else None
+                lps = None
+                if logprobs is not None:
+                    ids_k = logprob_ids[k] if logprob_ids is not None else None
+                    lps = sampled_logprobs(completion_ids[k], logprobs[k], ids_k)
                 kept = None
                 if self.replay is not None:
                     if logprobs is None or logprob_ids is None:  # stop rather than train on a biased correction
