@@ -103,7 +103,10 @@ def main(argv: Sequence[str]) -> int:
     from ..sandbox.server.http import head_timeout_protocol
     from ..sandbox.server.table import SessionTable
 
-    table = SessionTable(config)
+    try:
+        table = SessionTable(config)
+    except ValueError as error:  # a memory budget that holds no session of the default memory_mb
+        raise UserError(one_line(error)) from None
     # The isolation is reported before the port opens, so that a log shows it even if the server never serves.
     try:
         report = table.isolation_report()
