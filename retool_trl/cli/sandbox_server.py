@@ -128,7 +128,8 @@ def main(argv: Sequence[str]) -> int:
     print(
         f"[retool-trl] memory budget {table.memory_budget_mb} MB: at most "
         f"{table.memory_budget_mb // config.memory_mb} live sessions of the default {config.memory_mb} MB at once "
-        "(a session asking for less takes less; --total-memory-mb sets the budget).",
+        f"(a session asking for less takes less; --total-memory-mb sets the budget), one client at most "
+        f"{table.memory_per_client_mb} MB of it (--max-memory-per-client-mb).",
         flush=True,
     )
     app = create_app(config, table)

@@ -80,9 +80,9 @@ class RemoteSandbox(Transport, ReplyReading):
     `LocalSandbox` cell (wall-clock and CPU time counted from its own start, memory, file size, output). Requests run
     concurrently, at most `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError`
     responses are retried (through `tenacity`) with exponential backoff and jitter, never sooner than an HTTP
-    `Retry-After` asks; another HTTP 4xx, a cell's own exception or its timeout never is. When retries run out, or on
-    that 4xx, the cell gets
-    `ExecResult(ok=False, infra_error=True)`.
+    `Retry-After` asks; another HTTP 4xx, a cell's own exception or its timeout never is. A session's open that our
+    server refuses for memory (`429`, `memory_full`) is waited for instead, up to `memory_wait_s`. When retries run
+    out, or on that 4xx, the cell gets `ExecResult(ok=False, infra_error=True)`.
 
     Args:
         url (`str` or `list[str]`): Base URL of the service, e.g. `"http://sandbox:8080"`, or several (a list, or

@@ -28,7 +28,15 @@ import time
 
 from ..base import ExecResult
 
-__all__ = ["DEFAULT_MEMORY_WAIT_S", "SESSIONS_PATH", "ServiceFailure", "close_remote", "offers_sessions", "run_remote"]
+__all__ = [
+    "DEFAULT_MEMORY_WAIT_S",
+    "SESSIONS_PATH",
+    "MemoryFull",
+    "ServiceFailure",
+    "close_remote",
+    "offers_sessions",
+    "run_remote",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,15 @@ class ServiceFailure(Exception):
         super().__init__(problem)
         self.unreachable = unreachable
         self.status = status  # the HTTP status the server answered with, if it answered
+
+
+class MemoryFull(ServiceFailure):
+    """Our server's memory budget (or this client's share) is reserved by live sessions (a 429 marked
+    `memory_full`): waited on at a session's open, not counted against the retries."""
+
+    def __init__(self, problem: str, retry_after: float | None = None):
+        super().__init__(problem, status=429)
+        self.retry_after = retry_after
 
 
 def offers_sessions(client, url: str, headers: dict | None = None) -> bool | None:
@@ -118,13 +135,11 @@ def _open_waiting_for_memory(sandbox, server: str, limits: dict) -> dict:
     Raises:
         `ServiceFailure`: the server failed, or its memory stayed full past the wait (one line naming the fix).
     """
-    from .transport import _MemoryFull, _sleep
-
     deadline = time.monotonic() + sandbox.memory_wait_s
     while True:
         try:
             return sandbox._request("POST", server, SESSIONS_PATH, limits, _PROBE_TIMEOUT_S + 20, True, True)
-        except _MemoryFull as exc:
+        except MemoryFull as exc:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ServiceFailure(
@@ -133,7 +148,7 @@ def _open_waiting_for_memory(sandbox, server: str, limits: dict) -> dict:
                     "--total-memory-mb (or --max-memory-per-client-mb), or ask for a smaller memory_mb",
                     status=429,
                 ) from None
-            _sleep(min(max(exc.retry_after or 0.0, _MEMORY_POLL_S), left))
+            sandbox._pause(min(max(exc.retry_after or 0.0, _MEMORY_POLL_S), left))
 
 
 def _wait_while_alive(sandbox, server: str, path: str, body: dict) -> dict:

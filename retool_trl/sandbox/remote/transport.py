@@ -6,6 +6,7 @@ from __future__ import annotations
 import email.utils
 import time
 
+from .service import MemoryFull as _MemoryFull
 from .service import ServiceFailure as _ServiceFailure
 
 # A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
@@ -14,15 +15,6 @@ _MAX_WAIT_S = 30.0
 
 # The sleep between attempts, looked up at each call so that tests can record the delays instead of sleeping.
 _sleep = time.sleep
-
-
-class _MemoryFull(_ServiceFailure):
-    """Our server's memory budget (or this client's share) is reserved by live sessions (a 429 marked
-    `memory_full`): waited on by the caller, not counted against the retries."""
-
-    def __init__(self, problem: str, retry_after: float | None = None):
-        super().__init__(problem, status=429)
-        self.retry_after = retry_after
 
 
 class _Retryable(Exception):
@@ -87,6 +79,10 @@ class Transport:
         if failure.unreachable:
             self._mark_down(server)
         raise failure
+
+    def _pause(self, seconds: float) -> None:
+        """Sleeps between asks while waiting for a server's memory (`_sleep`, which tests record)."""
+        _sleep(seconds)
 
     def _mark_down(self, server: str) -> None:
         """New sessions go to the other servers for a while (where there are others)."""

@@ -46,8 +46,9 @@ class ServerConfig:
             hold, so that one client cannot take them all.
         total_memory_mb (`int`, *optional*): Memory of all sessions together (default: half of what this machine or
             its container allows). Each live session (and each running `/run_code` call) reserves its `memory_mb`
-            of it; one that does not fit is answered `429`, so that no cell within its own `memory_mb` is ever
-            killed because others filled the memory.
+            of it; one that does not fit is answered `429` (`memory_full`), so that sessions others park rarely
+            leave a cell short (the sandbox frees memory at about 90% of the budget: when nearly every session uses
+            its whole reservation, a cell within its own `memory_mb` may still be killed, an infrastructure error).
         max_memory_per_client_mb (`int`, *optional*): What one client's live sessions (and running `/run_code`
             calls) may reserve of `total_memory_mb` together; one more is answered `429`. Default: half of it.
         max_cells_per_request (`int`, defaults to `16`): Cells one `/sessions/{id}/run` request may carry.

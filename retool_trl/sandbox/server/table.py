@@ -5,10 +5,13 @@ Blocking code only (the app runs it in worker threads), except the quick checks 
 What one client does never changes what another gets: a session is served by the profile of exactly the limits it
 asked for (never another's), a profile is built for it or refused (429) when every one is in use, and profiles no live
 session uses are given back. A client holds a bounded number of sessions and profiles. Each live session (and each
-running `/run_code` call) reserves its `memory_mb` of the memory budget, or is refused (429): the memory the sessions
-may hold never adds up to more than the budget, so a cell within its own `memory_mb` is never killed because other
-sessions (another tenant's, parked) filled it; were it killed so all the same, that is the server's failure
-(`infra_error`), never the cell's."""
+running `/run_code` call) reserves its `memory_mb` of the memory budget, and one client at most its share of it, or
+is refused (429, `MemoryFull`): the memory the sessions may hold never adds up to more than the budget, so sessions
+another tenant parks rarely leave a cell short. The sandbox frees memory a little before its whole budget is used
+(about 90%), so a cell within its own `memory_mb` may still be killed when nearly every session uses its whole
+reservation: that is the server's failure (`infra_error`), never the cell's. A reservation is given back whatever
+fails between taking it and giving it back. A tenant's session is its own: another tenant's token finds no such
+session."""
 
 from __future__ import annotations
 
