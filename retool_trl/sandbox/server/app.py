@@ -109,8 +109,9 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             return JSONResponse(fusion.unsupported(req["language"]))
         if req["fetch_files"]:
             return JSONResponse(fusion.reply("SandboxError", "fetch_files is not supported by this server", None))
-        # Capped like the other limits (SandboxFusion's callers expect a cap, not a refusal): never past the budget.
-        memory = min(memory, table.memory_budget_mb)
+        # Capped like the other limits (SandboxFusion's callers expect a cap, not a refusal): never past the budget,
+        # nor past what one client may hold.
+        memory = min(memory, table.memory_budget_mb, table.memory_per_client_mb)
         limits = {
             "timeout_s": timeout,
             "memory_mb": memory,

@@ -243,16 +243,19 @@ class SessionTable:
                 f"memory_mb must be at most {self.memory_budget_mb} on this server (its whole memory budget), got "
                 f"{memory_mb}"
             )
+        if memory_mb > self.memory_per_client_mb:
+            raise TooLarge(
+                f"memory_mb must be at most {self.memory_per_client_mb} on this server (what one client may hold, "
+                f"--max-memory-per-client-mb), got {memory_mb}"
+            )
         if self.reserved_mb + memory_mb > self.memory_budget_mb:
             self.counts["rejected_memory"] += 1
             raise MemoryFull(
                 f"live sessions reserve {self.reserved_mb} MB of this server's {self.memory_budget_mb} MB memory "
                 f"budget and this one needs {memory_mb} MB: retry later, close sessions, or ask for less memory_mb"
             )
-        mine = self._reserved_by[client]
+        mine = self._reserved_by[client]  # a Counter: reading a missing client stores nothing
         if mine + memory_mb > self.memory_per_client_mb:
-            if not mine:
-                del self._reserved_by[client]
             self.counts["rejected_client_memory"] += 1
             raise MemoryFull(
                 f"this client's sessions reserve {mine} MB and this one needs {memory_mb} MB, past the "

@@ -154,6 +154,9 @@ def test_one_client_cannot_reserve_the_whole_budget():
         assert "--max-memory-per-client-mb" in refused.json()["detail"], refused.text
         assert [client.post("/sessions", json={}, headers=b).status_code for _ in range(2)] == [200, 200]
         assert table.reserved_mb == 1024
+        # More than one client may ever hold never fits: a 400 naming the option, not a 429 worth waiting for.
+        huge = client.post("/sessions", json={"memory_mb": 768}, headers=b)
+        assert huge.status_code == 400 and "--max-memory-per-client-mb" in huge.json()["detail"], huge.text
     finally:
         SessionTable.close(table)
 
