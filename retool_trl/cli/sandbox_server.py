@@ -103,7 +103,10 @@ def main(argv: Sequence[str]) -> int:
     from ..sandbox.server.http import head_timeout_protocol
     from ..sandbox.server.table import SessionTable
 
-    table = SessionTable(config)
+    try:
+        table = SessionTable(config)
+    except ValueError as error:  # a memory budget that holds no session of the default memory_mb
+        raise UserError(one_line(error)) from None
     # The isolation is reported before the port opens, so that a log shows it even if the server never serves.
     try:
         report = table.isolation_report()
@@ -125,7 +128,8 @@ def main(argv: Sequence[str]) -> int:
     print(
         f"[retool-trl] memory budget {table.memory_budget_mb} MB: at most "
         f"{table.memory_budget_mb // config.memory_mb} live sessions of the default {config.memory_mb} MB at once "
-        "(a session asking for less takes less; --total-memory-mb sets the budget).",
+        f"(a session asking for less takes less; --total-memory-mb sets the budget), one client at most "
+        f"{table.memory_per_client_mb} MB of it (--max-memory-per-client-mb).",
         flush=True,
     )
     app = create_app(config, table)

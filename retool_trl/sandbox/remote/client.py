@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ..base import ExecResult, SessionBase, check_pairs, refusal
 from .driver import build_driver
 from .replies import ReplyReading
+from .service import DEFAULT_MEMORY_WAIT_S, close_remote, offers_sessions, run_remote
 from .service import ServiceFailure as _ServiceFailure
-from .service import close_remote, offers_sessions, run_remote
 from .transport import Transport
 
 __all__ = ["RemoteSandbox", "RemoteSession"]
@@ -80,9 +80,9 @@ class RemoteSandbox(Transport, ReplyReading):
     `LocalSandbox` cell (wall-clock and CPU time counted from its own start, memory, file size, output). Requests run
     concurrently, at most `max_concurrency` at once. Transport errors, HTTP 5xx/429, invalid JSON and `SandboxError`
     responses are retried (through `tenacity`) with exponential backoff and jitter, never sooner than an HTTP
-    `Retry-After` asks; another HTTP 4xx, a cell's own exception or its timeout never is. When retries run out, or on
-    that 4xx, the cell gets
-    `ExecResult(ok=False, infra_error=True)`.
+    `Retry-After` asks; another HTTP 4xx, a cell's own exception or its timeout never is. A session's open that our
+    server refuses for memory (`429`, `memory_full`) is waited for instead, up to `memory_wait_s`. When retries run
+    out, or on that 4xx, the cell gets `ExecResult(ok=False, infra_error=True)`.
 
     Args:
         url (`str` or `list[str]`): Base URL of the service, e.g. `"http://sandbox:8080"`, or several (a list, or
@@ -108,6 +108,10 @@ class RemoteSandbox(Transport, ReplyReading):
             tenant's token from its `--tokens-file`; default: `$RETOOL_SANDBOX_TOKEN`).
         sessions (`str`, defaults to `"auto"`): `"auto"` (the server's sessions when it offers them, else replay),
             `"native"` (fail with a clear error where they are not offered) or `"replay"`.
+        memory_wait_s (`float`, defaults to `600`): On our sandbox server, how long a session's open waits while the
+            server's memory budget is reserved by live sessions (a `429` marked `memory_full`; sessions close as
+            their rollouts end), not counted against `retries`. Past it the cell is an `infra_error` whose line
+            names the fix (the server's `--total-memory-mb`, or a smaller `memory_mb`).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class RemoteSandbox(Transport, ReplyReading):
         headers: dict[str, str] | None = None,
         token: str | None = None,
         sessions: str = "auto",
+        memory_wait_s: float = DEFAULT_MEMORY_WAIT_S,
     ):
         urls = url.split(",") if isinstance(url, str) else list(url or [])
         self.urls = [u.strip().rstrip("/") for u in urls if u and u.strip()]
@@ -137,6 +142,7 @@ class RemoteSandbox(Transport, ReplyReading):
         if sessions not in ("auto", "native", "replay"):
             raise ValueError(f"sessions must be 'auto', 'native' or 'replay', got {sessions!r}")
         self.sessions = sessions
+        self.memory_wait_s = max(0.0, float(memory_wait_s))
         self.url = self.urls[0]
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)

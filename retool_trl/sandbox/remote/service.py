@@ -3,6 +3,9 @@
 A session lives on one server for its life; its cells run there in its jail, so nothing is replayed. What can go
 wrong and what the cell then gets:
 
+- the server's memory budget is reserved by live sessions (a 429 marked `memory_full`, at the session's open):
+  waited on, as sessions close when their rollouts end, up to `RemoteSandbox(memory_wait_s=...)` (default
+  `DEFAULT_MEMORY_WAIT_S`), not counted against the retries; past it the cell is an `infra_error` naming the fix;
 - the server is busy (429), the session is still running an earlier cell (409: the server ran nothing), or it
   cannot be reached before the request is sent: retried with backoff, as for SandboxFusion;
 - the server refuses the limits asked (400) or confirms others than asked: a `RuntimeError` naming the limit (a
@@ -25,7 +28,15 @@ import time
 
 from ..base import ExecResult
 
-__all__ = ["SESSIONS_PATH", "ServiceFailure", "close_remote", "offers_sessions", "run_remote"]
+__all__ = [
+    "DEFAULT_MEMORY_WAIT_S",
+    "SESSIONS_PATH",
+    "MemoryFull",
+    "ServiceFailure",
+    "close_remote",
+    "offers_sessions",
+    "run_remote",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +46,11 @@ _PROBE_TIMEOUT_S = 10.0
 _REPLY_MARGIN_S = 30.0
 # The longest a request thread waits for a server that answers its health checks but never the cell.
 _LONGEST_WAIT_S = 3600.0
+# How long a session's open waits for the server's memory budget to have room (live sessions close as their rollouts
+# end): long enough for other rollouts of a batch to finish, short enough that a server far too small is reported.
+DEFAULT_MEMORY_WAIT_S = 600.0
+# Between two asks while waiting for memory (at least what the server's `Retry-After` asks).
+_MEMORY_POLL_S = 2.0
 
 
 class ServiceFailure(Exception):
@@ -45,6 +61,15 @@ class ServiceFailure(Exception):
         super().__init__(problem)
         self.unreachable = unreachable
         self.status = status  # the HTTP status the server answered with, if it answered
+
+
+class MemoryFull(ServiceFailure):
+    """Our server's memory budget (or this client's share) is reserved by live sessions (a 429 marked
+    `memory_full`): waited on at a session's open, not counted against the retries."""
+
+    def __init__(self, problem: str, retry_after: float | None = None):
+        super().__init__(problem, status=429)
+        self.retry_after = retry_after
 
 
 def offers_sessions(client, url: str, headers: dict | None = None) -> bool | None:
@@ -77,7 +102,7 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
                 "show_last_expression": sandbox.show_last_expression,
             }
             try:
-                opened = sandbox._request("POST", session.server, SESSIONS_PATH, limits, _PROBE_TIMEOUT_S + 20, True)
+                opened = _open_waiting_for_memory(sandbox, session.server, limits)
             except ServiceFailure as exc:
                 if exc.status == 400:  # the server cannot give these limits: no retry will change that
                     raise RuntimeError(
@@ -101,6 +126,29 @@ def run_remote(sandbox, session, code: str) -> ExecResult:
     if result.infra_error:
         session._broken = "infrastructure error"
     return result
+
+
+def _open_waiting_for_memory(sandbox, server: str, limits: dict) -> dict:
+    """Opens a session on `server`, waiting while its memory budget is reserved by live sessions (up to
+    `sandbox.memory_wait_s`).
+
+    Raises:
+        `ServiceFailure`: the server failed, or its memory stayed full past the wait (one line naming the fix).
+    """
+    deadline = time.monotonic() + sandbox.memory_wait_s
+    while True:
+        try:
+            return sandbox._request("POST", server, SESSIONS_PATH, limits, _PROBE_TIMEOUT_S + 20, True, True)
+        except MemoryFull as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServiceFailure(
+                    f"no room for a {sandbox.memory_mb} MB session in {sandbox.memory_wait_s:g} s: the server's "
+                    f"memory budget stays reserved by live sessions ({exc}); start the server with a larger "
+                    "--total-memory-mb (or --max-memory-per-client-mb), or ask for a smaller memory_mb",
+                    status=429,
+                ) from None
+            sandbox._pause(min(max(exc.retry_after or 0.0, _MEMORY_POLL_S), left))
 
 
 def _wait_while_alive(sandbox, server: str, path: str, body: dict) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import email.utils
 import time
 
+from .service import MemoryFull as _MemoryFull
 from .service import ServiceFailure as _ServiceFailure
 
 # A retry waits at most this long, whatever the backoff or the service's `Retry-After` says: past it, the rollout is
@@ -53,9 +54,12 @@ class Transport:
         timeout = self.request_timeout_s or run_timeout + 30.0
         return self._request("POST", server or self.url, "/run_code", body, timeout, True)
 
-    def _request(self, method: str, server: str, path: str, body, timeout: float, resend: bool) -> dict:
+    def _request(
+        self, method: str, server: str, path: str, body, timeout: float, resend: bool, memory_wait: bool = False
+    ) -> dict:
         """One call with retries; `resend=False` retries only what the server surely did not run (429, 503, a
-        connection never made). A server that cannot be reached gets no new sessions for a while."""
+        connection never made). A server that cannot be reached gets no new sessions for a while. With
+        `memory_wait`, a 429 marked `memory_full` raises `_MemoryFull` at once (the caller waits on it)."""
         import tenacity
 
         client, _ = self._start()
@@ -66,7 +70,7 @@ class Transport:
             sleep=_sleep,
         )
         try:
-            return retrying(self._attempt, client, body, timeout, method, server + path, resend)
+            return retrying(self._attempt, client, body, timeout, method, server + path, resend, memory_wait)
         except tenacity.RetryError as exc:
             last = exc.last_attempt
             failure = _ServiceFailure(f"{last.exception()} (after {last.attempt_number} attempts)", True)
@@ -75,6 +79,10 @@ class Transport:
         if failure.unreachable:
             self._mark_down(server)
         raise failure
+
+    def _pause(self, seconds: float) -> None:
+        """Sleeps between asks while waiting for a server's memory (`_sleep`, which tests record)."""
+        _sleep(seconds)
 
     def _mark_down(self, server: str) -> None:
         """New sessions go to the other servers for a while (where there are others)."""
@@ -89,7 +97,9 @@ class Transport:
         asked = getattr(retry_state.outcome.exception(), "retry_after", None) or 0.0
         return min(max(backoff(retry_state), asked), _MAX_WAIT_S)
 
-    def _attempt(self, client, body, timeout: float, method: str, url: str, resend: bool) -> dict:
+    def _attempt(
+        self, client, body, timeout: float, method: str, url: str, resend: bool, memory_wait: bool = False
+    ) -> dict:
         """One request. Raises `_Retryable` on a failure of the service, `_ServiceFailure` on a client error (and,
         with `resend=False`, on a failure after which the request may have been served)."""
         import httpx
@@ -108,6 +118,8 @@ class Transport:
         # 409 with Retry-After: our server's session is still running an earlier cell and ran nothing of this one.
         if status >= 500 or status == 429 or (status == 409 and reply.headers.get("Retry-After")):
             asked = _retry_after(reply.headers.get("Retry-After")) if status in (409, 429, 503) else None
+            if memory_wait and status == 429 and _error_of(reply) == "memory_full":
+                raise _MemoryFull(_detail_of(reply), asked)
             raise _Retryable(f"HTTP {status}", asked)
         if status >= 400:
             raise _ServiceFailure(f"HTTP {status}: {reply.text[:200]}", status=status)  # a bad request stays bad
@@ -118,3 +130,19 @@ class Transport:
         if not isinstance(data, dict) or data.get("status") == "SandboxError":
             raise _Retryable(f"SandboxError: {str(data.get('message', '') if isinstance(data, dict) else data)[:200]}")
         return data
+
+
+def _error_of(reply) -> str | None:
+    try:
+        data = reply.json()
+    except ValueError:
+        return None
+    return data.get("error") if isinstance(data, dict) else None
+
+
+def _detail_of(reply) -> str:
+    try:
+        data = reply.json()
+    except ValueError:
+        return f"HTTP {reply.status_code}"
+    return str(data.get("detail", "") if isinstance(data, dict) else data)[:300] or f"HTTP {reply.status_code}"

@@ -11,9 +11,11 @@ Sessions API (what `RemoteSandbox` uses when `/health` says `"sessions": 1`):
 
 A limit outside its range is a 400 naming the field and its range (`limits.py`); a run request for a session whose
 cell is still running is a 409 with `Retry-After` (it never waits on a slot); an unknown session is a 404
-(`{"error": "unknown_session"}`): the client reports its cells as infrastructure errors. A client is its tenant where
+(`{"error": "unknown_session"}`), and so is another tenant's session (a tenant's token opens its own sessions only):
+the client reports its cells as infrastructure errors. A client is its tenant where
 the server has per-tenant tokens, else its peer address (`clients.py`): it holds a bounded number of sessions and of
-limit sets. A session whose `memory_mb` does not fit the memory budget's unreserved part is a 429.
+limit sets. A session whose `memory_mb` does not fit the memory budget's unreserved part, or its client's share of
+it, is a 429 marked `{"error": "memory_full"}` (other bounds' 429s say `"busy"`): `RemoteSandbox` waits on it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .clients import address_key, tenant_key
 from .config import ServerConfig
 from .http import BodyError, read_json
 from .limits import LimitError, session_limits
-from .table import Busy, Full, SessionTable, TooLarge, UnknownSession
+from .table import Busy, Full, MemoryFull, SessionTable, TooLarge, UnknownSession
 
 __all__ = ["SESSIONS_API_VERSION", "create_app"]
 
@@ -77,7 +79,10 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return address_key(request.client.host if request.client else None)
 
     def busy(error: Full) -> JSONResponse:
-        return JSONResponse({"error": "busy", "detail": str(error)}, 429, headers={"Retry-After": RETRY_AFTER_S})
+        # "memory_full": live sessions hold the memory budget (or this client's share); they free it as they close,
+        # so a trainer may wait for it where another bound's 429 is worth only a few retries.
+        kind = "memory_full" if isinstance(error, MemoryFull) else "busy"
+        return JSONResponse({"error": kind, "detail": str(error)}, 429, headers={"Retry-After": RETRY_AFTER_S})
 
     async def blocking(fn, *args):
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
@@ -104,8 +109,9 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             return JSONResponse(fusion.unsupported(req["language"]))
         if req["fetch_files"]:
             return JSONResponse(fusion.reply("SandboxError", "fetch_files is not supported by this server", None))
-        # Capped like the other limits (SandboxFusion's callers expect a cap, not a refusal): never past the budget.
-        memory = min(memory, table.memory_budget_mb)
+        # Capped like the other limits (SandboxFusion's callers expect a cap, not a refusal): never past the budget,
+        # nor past what one client may hold.
+        memory = min(memory, table.memory_budget_mb, table.memory_per_client_mb)
         limits = {
             "timeout_s": timeout,
             "memory_mb": memory,
@@ -113,27 +119,30 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             "show_last_expression": False,
         }
         try:
-            table.reserve(memory)
+            table.reserve(memory, client)
         except Full as error:
             return busy(error)
+        # From here on, whatever fails (a bound, or an error building the limit set's sandbox), each thing taken is
+        # given back: the reservation, the running slot and the profile.
         try:
-            table.acquire()
-        except Full as error:
-            table.unreserve(memory)
-            return busy(error)
-        try:
-            profile = await blocking(table.take_profile, limits, client)
-        except Full as error:
-            table.release()
-            table.unreserve(memory)
-            return busy(error)
-        try:
-            prelude = fusion.prelude(req)
-            result, before = await blocking(table.run_once, req["code"], profile, prelude)
+            try:
+                table.acquire()
+            except Full as error:
+                return busy(error)
+            try:
+                try:
+                    profile = await blocking(table.take_profile, limits, client)
+                except Full as error:
+                    return busy(error)
+                try:
+                    prelude = fusion.prelude(req)
+                    result, before = await blocking(table.run_once, req["code"], profile, prelude)
+                finally:
+                    table.drop_profile(profile, client)
+            finally:
+                table.release()
         finally:
-            table.drop_profile(profile, client)
-            table.release()
-            table.unreserve(memory)
+            table.unreserve(memory, client)
         return JSONResponse(fusion.response(result, prelude_error=before))
 
     async def open_session(request: Request):
@@ -154,8 +163,8 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return JSONResponse({"session_id": session_id, "limits": profile.limits()})
 
     async def run_session(request: Request):
-        if isinstance(denied := caller(request), JSONResponse):
-            return denied
+        if isinstance(client := caller(request), JSONResponse):
+            return client
         try:
             body = await body_of(request)
         except BodyError as error:
@@ -169,14 +178,14 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
             return bad(400, f"cells must hold 1 to {config.max_cells_per_request} cells here, got {len(cells)}")
         session_id = request.path_params["session_id"]
         try:
-            live = table.begin(session_id)
+            live = table.begin(session_id, client)
         except UnknownSession:
             return _unknown()
         except Busy as error:
             detail = {"error": "session_busy", "detail": str(error)}
             return JSONResponse(detail, 409, headers={"Retry-After": RETRY_AFTER_S})
         except Full as error:
-            table.touch(session_id)  # its client is there, retrying: not idle
+            table.touch(session_id, client)  # its client is there, retrying: not idle
             return busy(error)
         try:
             results = await blocking(table.run, live, cells)
@@ -185,10 +194,10 @@ def create_app(config: ServerConfig, table: SessionTable | None = None) -> Starl
         return JSONResponse({"results": [dataclasses.asdict(r) for r in results]})
 
     async def close_session(request: Request):
-        if isinstance(denied := caller(request), JSONResponse):
-            return denied
+        if isinstance(client := caller(request), JSONResponse):
+            return client
         try:
-            await blocking(table.close_session, request.path_params["session_id"])
+            await blocking(table.close_session, request.path_params["session_id"], client)
         except UnknownSession:
             return _unknown()
         return JSONResponse({"closed": True})

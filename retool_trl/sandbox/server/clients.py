@@ -1,7 +1,8 @@
 """Who a request comes from, for the server's per-client bounds (sessions, limit sets): its tenant where the server
 has per-tenant tokens (`--tokens-file`), else its peer address, with every loopback address one client and an IPv6
 client its /64 (one machine may use any address of either for free, so each address a bound of its own would let
-one machine take them all). Also reads the tokens file."""
+one machine take them all; hosts that share a /64, as on many cloud subnets, are then one client: give them
+`--tokens-file`). Also reads the tokens file."""
 
 from __future__ import annotations
 

@@ -46,8 +46,11 @@ class ServerConfig:
             hold, so that one client cannot take them all.
         total_memory_mb (`int`, *optional*): Memory of all sessions together (default: half of what this machine or
             its container allows). Each live session (and each running `/run_code` call) reserves its `memory_mb`
-            of it; one that does not fit is answered `429`, so that no cell within its own `memory_mb` is ever
-            killed because others filled the memory.
+            of it; one that does not fit is answered `429` (`memory_full`), so that sessions others park rarely
+            leave a cell short (the sandbox frees memory at about 90% of the budget: when nearly every session uses
+            its whole reservation, a cell within its own `memory_mb` may still be killed, an infrastructure error).
+        max_memory_per_client_mb (`int`, *optional*): What one client's live sessions (and running `/run_code`
+            calls) may reserve of `total_memory_mb` together; one more is answered `429`. Default: half of it.
         max_cells_per_request (`int`, defaults to `16`): Cells one `/sessions/{id}/run` request may carry.
         max_body_bytes (`int`, defaults to `8 MiB`): Largest request body; a larger one is answered `413`.
         header_timeout_s (`float`, defaults to `10`): A connection must send a whole request head this soon after it
@@ -89,6 +92,10 @@ class ServerConfig:
         None, "Memory of all sessions together, each live session reserving its memory_mb of it (one that does "
         "not fit gets 429); default: half the machine's."
     )  # fmt: skip
+    max_memory_per_client_mb: int | None = _opt(
+        None, "Memory one client's live sessions may reserve together (one more gets 429); default: half the "
+        "memory budget, so that one client's idle sessions never hold all of it."
+    )  # fmt: skip
     max_cells_per_request: int = _opt(16, "Cells one /sessions/{id}/run request may carry.")
     max_body_bytes: int = _opt(8 << 20, "Largest request body in bytes; a larger one gets 413.")
     header_timeout_s: float = _opt(10.0, "Seconds a connection has to send a whole request head, else it is closed.")
@@ -123,6 +130,11 @@ class ServerConfig:
             problems.append(
                 f"total_memory_mb must hold one session of the default memory_mb ({self.memory_mb}), got "
                 f"{self.total_memory_mb}"
+            )
+        if self.max_memory_per_client_mb is not None and self.max_memory_per_client_mb < self.memory_mb:
+            problems.append(
+                f"max_memory_per_client_mb must hold one session of the default memory_mb ({self.memory_mb}), got "
+                f"{self.max_memory_per_client_mb}"
             )
         if self.token and self.tokens:
             problems.append("give one token for all (token) or one per tenant (tokens), not both")

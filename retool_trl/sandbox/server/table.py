@@ -5,10 +5,13 @@ Blocking code only (the app runs it in worker threads), except the quick checks 
 What one client does never changes what another gets: a session is served by the profile of exactly the limits it
 asked for (never another's), a profile is built for it or refused (429) when every one is in use, and profiles no live
 session uses are given back. A client holds a bounded number of sessions and profiles. Each live session (and each
-running `/run_code` call) reserves its `memory_mb` of the memory budget, or is refused (429): the memory the sessions
-may hold never adds up to more than the budget, so a cell within its own `memory_mb` is never killed because other
-sessions (another tenant's, parked) filled it; were it killed so all the same, that is the server's failure
-(`infra_error`), never the cell's."""
+running `/run_code` call) reserves its `memory_mb` of the memory budget, and one client at most its share of it, or
+is refused (429, `MemoryFull`): the memory the sessions may hold never adds up to more than the budget, so sessions
+another tenant parks rarely leave a cell short. The sandbox frees memory a little before its whole budget is used
+(about 90%), so a cell within its own `memory_mb` may still be killed when nearly every session uses its whole
+reservation: that is the server's failure (`infra_error`), never the cell's. A reservation is given back whatever
+fails between taking it and giving it back. A tenant's session is its own: another tenant's token finds no such
+session."""
 
 from __future__ import annotations
 
@@ -25,13 +28,18 @@ from ..host.local import LocalSandbox, LocalSession
 from ..host.node import node_share_cpus, node_share_memory_mb
 from .config import ServerConfig
 
-__all__ = ["Busy", "Full", "Profile", "SessionTable", "TooLarge", "UnknownSession"]
+__all__ = ["Busy", "Full", "MemoryFull", "Profile", "SessionTable", "TooLarge", "UnknownSession"]
 
 logger = logging.getLogger(__name__)
 
 
 class Full(Exception):
     """The server (or this client's share of it) is at a bound: the caller answers 429 and nothing is queued."""
+
+
+class MemoryFull(Full):
+    """The memory budget (or this client's share of it) is reserved by live sessions: a 429 a trainer may wait on
+    (`{"error": "memory_full"}`), since sessions close as their rollouts end."""
 
 
 class Busy(Exception):
@@ -89,6 +97,16 @@ class SessionTable:
         self.config = config
         self.cpu_slots = max(1, config.workers or node_share_cpus())
         self.memory_budget_mb = config.total_memory_mb or node_share_memory_mb()
+        if self.memory_budget_mb < config.memory_mb:
+            raise ValueError(
+                f"the memory budget ({self.memory_budget_mb} MB, half of what this machine allows) holds no session "
+                f"of the default memory_mb ({config.memory_mb} MB): give --total-memory-mb, or a smaller --memory-mb"
+            )
+        # What one client may reserve of the budget: by default half, so that one client's idle sessions never
+        # hold all of it.
+        self.memory_per_client_mb = min(
+            self.memory_budget_mb, config.max_memory_per_client_mb or max(config.memory_mb, self.memory_budget_mb // 2)
+        )
         # Every profile's cells take their CPU slots from one count (`InFlight`): N profiles never compute more
         # than the node's slots together.
         self._in_flight = InFlight()
@@ -96,6 +114,7 @@ class SessionTable:
         self._sessions: dict[str, _Live] = {}
         self._held: Counter[tuple[str, Profile]] = Counter()  # (client, profile) -> its sessions and calls on it
         self.reserved_mb = 0  # the `memory_mb` of every live session and running `/run_code` call
+        self._reserved_by: Counter[str] = Counter()  # client -> what its sessions and calls reserve
         self._lock = threading.Lock()
         self.running = 0
         self.counts: Counter[str] = Counter()
@@ -200,29 +219,51 @@ class SessionTable:
         with self._lock:
             self.running -= 1
 
-    def reserve(self, memory_mb: int) -> None:
-        """Reserves `memory_mb` of the budget (a `/run_code` call's) or raises `Full` (`TooLarge` if it never fits)."""
+    def reserve(self, memory_mb: int, client: str) -> None:
+        """Reserves `memory_mb` of the budget for `client` (a `/run_code` call's) or raises `MemoryFull`
+        (`TooLarge` if it never fits)."""
         with self._lock:
-            self._reserve(memory_mb)
+            self._reserve(memory_mb, client)
 
-    def unreserve(self, memory_mb: int) -> None:
+    def unreserve(self, memory_mb: int, client: str) -> None:
         with self._lock:
-            self.reserved_mb -= memory_mb
+            self._unreserve(memory_mb, client)
 
-    def _reserve(self, memory_mb: int) -> None:
+    def _unreserve(self, memory_mb: int, client: str) -> None:
+        # Called with `_lock` held.
+        self.reserved_mb -= memory_mb
+        self._reserved_by[client] -= memory_mb
+        if self._reserved_by[client] <= 0:
+            del self._reserved_by[client]
+
+    def _reserve(self, memory_mb: int, client: str) -> None:
         # Called with `_lock` held.
         if memory_mb > self.memory_budget_mb:
             raise TooLarge(
                 f"memory_mb must be at most {self.memory_budget_mb} on this server (its whole memory budget), got "
                 f"{memory_mb}"
             )
+        if memory_mb > self.memory_per_client_mb:
+            raise TooLarge(
+                f"memory_mb must be at most {self.memory_per_client_mb} on this server (what one client may hold, "
+                f"--max-memory-per-client-mb), got {memory_mb}"
+            )
         if self.reserved_mb + memory_mb > self.memory_budget_mb:
             self.counts["rejected_memory"] += 1
-            raise Full(
+            raise MemoryFull(
                 f"live sessions reserve {self.reserved_mb} MB of this server's {self.memory_budget_mb} MB memory "
                 f"budget and this one needs {memory_mb} MB: retry later, close sessions, or ask for less memory_mb"
             )
+        mine = self._reserved_by[client]  # a Counter: reading a missing client stores nothing
+        if mine + memory_mb > self.memory_per_client_mb:
+            self.counts["rejected_client_memory"] += 1
+            raise MemoryFull(
+                f"this client's sessions reserve {mine} MB and this one needs {memory_mb} MB, past the "
+                f"{self.memory_per_client_mb} MB one client may hold (--max-memory-per-client-mb): close sessions, "
+                "or ask for less memory_mb"
+            )
         self.reserved_mb += memory_mb
+        self._reserved_by[client] += memory_mb
 
     def run_once(self, code: str, profile: Profile, prelude: str | None = None):
         """One cell in a fresh jail, closed after it (SandboxFusion's stateless `run_code`), after `prelude` (the
@@ -256,32 +297,34 @@ class SessionTable:
                 self.counts["rejected_sessions"] += 1
                 raise Full(f"this client holds {mine} live sessions, the server's bound per client: close some")
             # Reserved now, before the profile is taken, so that opens racing each other never overbook the budget.
-            self._reserve(memory_mb)
+            self._reserve(memory_mb, client)
+        # Whatever fails from here on (not only a bound: a sandbox that cannot be built), the reservation and the
+        # profile taken are given back: nothing leaks.
+        profile = None
+        session_id = None
         try:
             profile = self.take_profile(limits, client)
-        except Full:
-            self.unreserve(memory_mb)
-            raise
-        with self._lock:
-            # Checked again with the session in: opens of one client racing each other stay within its bound.
-            over = sum(1 for live in self._sessions.values() if live.client == client)
-            if over >= self.config.max_sessions_per_client or len(self._sessions) >= self.config.max_sessions:
-                over = True
-                self.reserved_mb -= memory_mb
-            else:
-                over = False
+            with self._lock:
+                # Checked again with the session in: opens of one client racing each other stay within its bound.
+                mine = sum(1 for live in self._sessions.values() if live.client == client)
+                if mine >= self.config.max_sessions_per_client or len(self._sessions) >= self.config.max_sessions:
+                    raise Full("the live-session bound was reached meanwhile")
                 sandbox = self._profiles[profile].sandbox
-                session_id = secrets.token_urlsafe(16)
-                self._sessions[session_id] = _Live(sandbox.session(), profile, client)
+                new_id = secrets.token_urlsafe(16)
+                self._sessions[new_id] = _Live(sandbox.session(), profile, client)
                 self.counts["sessions_opened"] += 1
-        if over:
-            self.drop_profile(profile, client)
-            raise Full("the live-session bound was reached meanwhile")
+                session_id = new_id
+        finally:
+            if session_id is None:
+                if profile is not None:
+                    self.drop_profile(profile, client)
+                self.unreserve(memory_mb, client)
         return session_id, profile
 
-    def begin(self, session_id: str) -> _Live:
-        """Starts a call of the session: its lock and a running slot, or `Busy`/`Full`/`UnknownSession` at once."""
-        live = self._get(session_id)
+    def begin(self, session_id: str, client: str | None = None) -> _Live:
+        """Starts a call of `client`'s session: its lock and a running slot, or `Busy`/`Full`/`UnknownSession` at
+        once (a session of another tenant is unknown to this one)."""
+        live = self._get(session_id, client)
         if not live.lock.acquire(blocking=False):
             with self._lock:
                 self.counts["rejected_session_busy"] += 1
@@ -303,28 +346,37 @@ class SessionTable:
         live.used = True
         return [self._account(live.session.run(code), "session") for code in cells]
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, client: str | None = None) -> None:
+        """Closes `client`'s session (a session of another tenant is unknown to this one)."""
         with self._lock:
-            live = self._sessions.pop(session_id, None)
-        if live is None:
-            raise UnknownSession(session_id)
-        live.session.close()  # its memory is freed before its reservation is given back
-        self.drop_profile(live.profile, live.client)
+            live = self._sessions.get(session_id)
+            if live is None or not _owned(live, client):
+                raise UnknownSession(session_id)
+            del self._sessions[session_id]
+        self._give_back(live)
         with self._lock:
-            self.reserved_mb -= live.profile.memory_mb
             self.counts["sessions_closed"] += 1
 
-    def touch(self, session_id: str) -> None:
+    def _give_back(self, live: _Live) -> None:
+        """Closes a session taken out of the table, then gives back its profile and its reservation, even when
+        closing it fails."""
+        try:
+            live.session.close()  # its memory is freed before its reservation is given back
+        finally:
+            self.drop_profile(live.profile, live.client)
+            self.unreserve(live.profile.memory_mb, live.client)
+
+    def touch(self, session_id: str, client: str | None = None) -> None:
         """Marks a session used now (a call refused at the bound still shows its client is there)."""
         with self._lock:
             live = self._sessions.get(session_id)
-            if live is not None:
+            if live is not None and _owned(live, client):
                 live.last_used = time.monotonic()
 
-    def _get(self, session_id: str) -> _Live:
+    def _get(self, session_id: str, client: str | None = None) -> _Live:
         with self._lock:
             live = self._sessions.get(session_id)
-        if live is None:
+        if live is None or not _owned(live, client):
             raise UnknownSession(session_id)
         live.last_used = time.monotonic()
         return live
@@ -352,14 +404,17 @@ class SessionTable:
                 if not live.lock.locked() and now - live.last_used > (c.idle_s if live.used else c.fresh_idle_s)
             ]
             lives = [self._sessions.pop(sid) for sid in stale]
-        for live in lives:
-            live.session.close()
-            self.drop_profile(live.profile, live.client)
+        failed = 0
+        for live in lives:  # each one's reservation given back with it: one that fails to close leaks nothing
+            try:
+                self._give_back(live)
+            except Exception:
+                failed += 1
+                logger.exception("closing an idle session failed (its reservation is given back)")
         if lives:
             with self._lock:
-                self.reserved_mb -= sum(live.profile.memory_mb for live in lives)
                 self.counts["sessions_expired"] += len(lives)
-            logger.info("closed %d idle session(s)", len(lives))
+            logger.info("closed %d idle session(s)", len(lives) - failed)
         return len(lives)
 
     def snapshot(self) -> dict:
@@ -384,3 +439,11 @@ class SessionTable:
             live.session.close()
         for sandbox in sandboxes:
             sandbox.close()
+
+
+def _owned(live: _Live, client: str | None) -> bool:
+    """Whether `client` may use the session: a tenant's session is its own alone (another tenant's token is no
+    key to it); without per-tenant tokens the session's unguessable id is the key (`client` None: any caller)."""
+    if client is None:
+        return True
+    return live.client == client or not (live.client.startswith("tenant:") or client.startswith("tenant:"))

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(240)
 TOKEN = "s3cret-token"
 
 # Each session reserves its memory_mb (RemoteSandbox asks 1024) of the server's budget; the sessions here hold a few MB
-# each, so the budget is set to admit them all on any machine, as an operator who knows its cells would.
-ROOMY = ("--total-memory-mb", "65536")
+# each, so the budget (and one client's share of it) is set to admit them all on any machine, as an operator who
+# knows its cells would.
+ROOMY = ("--total-memory-mb", "65536", "--max-memory-per-client-mb", "65536")
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def test_one_tenants_parked_memory_never_fails_anothers_cell_as_its_own():
     at worst are infrastructure errors (retried): never a `MemoryError` scored as B's model's own mistake."""
     srv = ServerProcess(
         "--workers", "1", "--memory-mb", "512", "--total-memory-mb", "6144", "--max-limit-profiles", "24",
-        "--fresh-idle-s", "120",
+        "--fresh-idle-s", "120", "--max-memory-per-client-mb", "6144",
     )  # fmt: skip
     a, b = tenant("127.0.0.2"), tenant("127.0.0.3")
     try:
@@ -90,12 +90,14 @@ def test_a_session_whose_memory_does_not_fit_the_budget_is_refused_at_open():
     opens. Past the budget, one more is answered 429 (with `Retry-After`, one line naming the memory), before it
     could crowd the sessions already open; closing one makes room again; a session asking more than the whole budget
     is a 400 naming `memory_mb`."""
-    srv = ServerProcess("--workers", "1", "--memory-mb", "256", "--total-memory-mb", "1024")
+    srv = ServerProcess(
+        "--workers", "1", "--memory-mb", "256", "--total-memory-mb", "1024", "--max-memory-per-client-mb", "1024",
+    )  # fmt: skip
     try:
         opened = [httpx.post(f"{srv.url}/sessions", json={}) for _ in range(5)]
         assert [r.status_code for r in opened] == [200, 200, 200, 200, 429], [r.text for r in opened]
         refused = opened[-1]
-        assert refused.headers.get("Retry-After")
+        assert refused.headers.get("Retry-After") and refused.json()["error"] == "memory_full"
         detail = refused.json()["detail"]
         assert "memory" in detail and "1024" in detail and "\n" not in detail, detail
         assert httpx.get(f"{srv.url}/health").json()["reserved_memory_mb"] == 1024
