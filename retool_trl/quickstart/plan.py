@@ -79,6 +79,9 @@ class QuickstartArguments:
         seed (`int`): Seed of data, sampling and training.
         threads (`int`): torch CPU threads; 0 keeps torch's default. One thread is several times faster than two
             for a model this small on a machine whose cores are busy (threads spin waiting for each other).
+        side_by_side (`bool`): Train the two runs at once, the text-only run in a forked process with its own
+            sandbox, when `threads` is set and the machine has `threads` cores for each run; otherwise one after the
+            other. Each run is seeded alone, so the results do not depend on it; only the wall time does.
     """
 
     output_dir: str = field(default="retool_quickstart", metadata={"help": "Run folder."})
@@ -101,6 +104,10 @@ class QuickstartArguments:
     max_completion_length: int = field(default=64, metadata={"help": "Completion budget in tokens."})
     seed: int = field(default=0, metadata={"help": "Seed of data, sampling and training."})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)."})
+    side_by_side: bool = field(
+        default=True,
+        metadata={"help": "Train both runs at once when `threads` is set and there are cores for both (true/false)."},
+    )
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -112,6 +119,10 @@ class QuickstartArguments:
                 f"call_format {self.call_format!r} is shipped for the arithmetic task only; the {self.task} task "
                 "uses 'tags'."
             )
+        if isinstance(self.side_by_side, str):  # from the command line
+            if self.side_by_side.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"side_by_side must be true or false, got {self.side_by_side!r}.")
+            self.side_by_side = self.side_by_side.lower() in ("true", "1", "yes")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}.")
         if self.lr_decay_steps < 0:

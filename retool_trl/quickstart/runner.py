@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -36,10 +38,10 @@ PLANS = {
 }
 
 
-def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, eval_metrics=None) -> dict:
+def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, eval_metrics=None, label=None) -> dict:
     """Held-out accuracy, code ratio and length at the sampling temperature (plus what `eval_metrics(report)`
     returns); the completions are written to `RUN/NAME_samples.jsonl` (with `NAME.json` and `NAME.md`) for
-    inspection."""
+    inspection. With a `label` (runs sharing a console) a line labelled with it replaces the progress bar."""
     from transformers import set_seed
 
     from ..evaluation.scoring import evaluate, write_report
@@ -48,9 +50,19 @@ def _evaluate(model, tokenizer, dataset, config, sandbox, seed: int, name: str, 
     model.eval()
     run, side = Path(config.output_dir).name, name.replace("eval_", "")
     desc = f"{run}, held-out, {side} training"  # e.g. "tool_rl, held-out, before training"
-    report = evaluate(model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox, desc=desc)
+    started = time.perf_counter()
+    report = evaluate(
+        model, tokenizer, dataset, config, num_samples=1, batch_size=64, sandbox=sandbox, desc=desc, progress=not label
+    )
     write_report(report, config.output_dir, name)
     m = report.metrics
+    if label:
+        print(
+            f"{label} | held-out, {side} training: accuracy {m['avg@1']:.1%}, code {m['code_ratio']:.0%} "
+            f"({time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     metrics = {"accuracy": m["avg@1"], "code_ratio": m["code_ratio"], "mean_length": m["mean_length"]}
     # Model-written tokens only, as TRL's logged completions/mean_length counts them (the plot puts them side by side).
     metrics["mean_model_tokens"] = m["mean_model_tokens"]
@@ -71,6 +83,7 @@ def train_run(
     reward_funcs=None,
     eval_metrics=None,
     probe=None,
+    console_label=None,
     **overrides,
 ) -> dict:
     """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
@@ -78,8 +91,8 @@ def train_run(
     `with_tools` defaults to `name == "tool_rl"`; `reward_funcs` to the trainer's (`boxed_accuracy`);
     `eval_metrics(report)` adds a task's metrics to each evaluation; `probe(model, tokenizer, dataset, config,
     sandbox, seed, when)` runs after each evaluation (`when`: `"before"` or `"after"`) and returns more summary
-    figures, named by itself (the multi-turn task's recovery probe); `overrides` are extra `ReToolConfig` fields
-    (ablations, the multi-turn task's limits).
+    figures, named by itself (the multi-turn task's recovery probe); `console_label` starts each progress line (runs
+    trained side by side); `overrides` are extra `ReToolConfig` fields (ablations, the multi-turn task's limits).
     """
     from transformers import AutoModelForCausalLM
 
@@ -90,18 +103,19 @@ def train_run(
     config = rl_config(args, run_dir, with_tools=name == "tool_rl" if with_tools is None else with_tools, **overrides)
     model = AutoModelForCausalLM.from_pretrained(start)
     print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==", flush=True)
-    before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", eval_metrics)
+    evaluated = dict(eval_metrics=eval_metrics, label=console_label)
+    before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", **evaluated)
     probed = probe(model, tokenizer, splits["test"], config, sandbox, args.seed, "before") if probe else {}
     started = time.perf_counter()
     trainer = ReToolTrainer(
         model, reward_funcs, args=config, train_dataset=splits["train"], processing_class=tokenizer, sandbox=sandbox
     )
-    use_compact_console(trainer, run_dir / "log.jsonl")
+    use_compact_console(trainer, run_dir / "log.jsonl", label=console_label)
     trainer.train()
     train_s = time.perf_counter() - started
     trainer.save_model(str(run_dir / "model"))
     trainer.save_state()  # trainer_state.json with TRL's log_history
-    after = _evaluate(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_after", eval_metrics)
+    after = _evaluate(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_after", **evaluated)
     if probe:  # the model is in eval mode (`_evaluate`)
         probed.update(probe(trainer.model, tokenizer, splits["test"], config, sandbox, args.seed, "after"))
     return {
@@ -112,6 +126,76 @@ def train_run(
         "steps": trainer.state.global_step,
         "log_history": trainer.state.log_history,
     }
+
+
+def side_by_side(args: QuickstartArguments) -> bool:
+    """Whether the two runs train at once: asked for, with a set number of threads, and a core for each thread."""
+    return bool(args.side_by_side and args.threads and (os.cpu_count() or 1) >= len(RUNS) * args.threads)
+
+
+def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict:
+    """Trains the first run here and the other in a forked process, each with its own sandbox, and returns both
+    results as `train_run` gives them. The fork comes before any sandbox starts (its threads and sockets are not
+    copied); a failure or death of the other process is raised here, naming its run."""
+    import multiprocessing
+    import traceback
+
+    from transformers.utils import logging as transformers_logging
+
+    from ..reporting.isolation import record_isolation
+
+    first, second = RUNS
+    # Two processes' bars on one console write over each other's lines: each run prints labelled lines instead.
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def other_run():
+        try:
+            sandbox = make_sandbox()
+            try:
+                result = train_run(
+                    second, args, start, tokenizer, plan.splits, sandbox, out, console_label=second, **plan.run_kwargs
+                )
+            finally:
+                sandbox.close()
+            send.send(("ok", result))
+        except BaseException as exc:  # noqa: B036 - the parent reports it, whatever it was
+            send.send(("error", "".join(traceback.format_exception(exc))))
+
+    process = multiprocessing.get_context("fork").Process(target=other_run, name=f"quickstart {second}")
+    process.start()
+    send.close()
+    try:
+        sandbox = make_sandbox()
+        try:
+            record_isolation(sandbox, out)
+            results = {
+                first: train_run(
+                    first, args, start, tokenizer, plan.splits, sandbox, out, console_label=first, **plan.run_kwargs
+                )
+            }
+        finally:
+            sandbox.close()
+        try:
+            kind, value = receive.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(
+                f"the {second} run's process ended without a result (exit code {process.exitcode}); run again with "
+                "--side-by-side false to train the runs one after the other"
+            ) from None
+        if kind == "error":
+            raise RuntimeError(f"the {second} run failed in its own process:\n{value}")
+        results[second] = value
+        return results
+    finally:
+        if process.is_alive():
+            process.terminate()
+        process.join()
+        receive.close()
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> dict:
@@ -147,19 +231,28 @@ def run_quickstart(output_dir: str | Path = "retool_quickstart", **kwargs) -> di
     start = plan.model
     # Left padding, as TRL's GRPOTrainer loads tokenizers for generation.
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
-    # One sandbox for every evaluation and both runs (the text run never calls it): the pool starts once.
-    sandbox = sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
-    record_isolation(sandbox, out)
+
+    def make_sandbox():
+        # One sandbox for the evaluations and the runs of a process (the text run never calls it): one pool start.
+        return sandbox_from_config(rl_config(args, out / "tool_rl", with_tools=True))
+
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        results = {
-            name: train_run(name, args, start, tokenizer, plan.splits, sandbox, out, **plan.run_kwargs)
-            for name in RUNS
-        }
+        if side_by_side(args):
+            results = _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox)
+        else:
+            sandbox = make_sandbox()
+            try:
+                record_isolation(sandbox, out)
+                results = {
+                    name: train_run(name, args, start, tokenizer, plan.splits, sandbox, out, **plan.run_kwargs)
+                    for name in RUNS
+                }
+            finally:
+                sandbox.close()
     finally:
         torch.set_num_threads(threads)
-        sandbox.close()
     histories = {name: results[name].pop("log_history") for name in RUNS}
     if plan.summarize is not None:
         plan.summarize(results, histories)

@@ -36,6 +36,8 @@ class CompactProgressCallback(ProgressCallback):
         log_path (`str` or `Path`): The JSON-lines file (rewritten when training begins).
         stream (*optional*): Where the console lines go (default: `sys.stderr`, as tqdm's bar). A bar is drawn when
             it is a terminal; otherwise one line per log.
+        label (`str`, *optional*): Starts every line (`text_rl | step 3/60 ...`), and lines replace the bar: for runs
+            that share one console.
     """
 
     # (label, logged key, format). GRPO runs show the first five; SFT runs the last two.
@@ -49,10 +51,11 @@ class CompactProgressCallback(ProgressCallback):
         ("token acc", "mean_token_accuracy", "{:.0%}"),
     )
 
-    def __init__(self, log_path: str | Path, stream=None):
+    def __init__(self, log_path: str | Path, stream=None, label: str | None = None):
         super().__init__()
         self.log_path = Path(log_path)
         self._stream = stream
+        self._prefix = f"{label} | " if label else ""
         self._last = None  # (time, step) of the previous log, for the step rate of plain lines
 
     @property
@@ -60,6 +63,8 @@ class CompactProgressCallback(ProgressCallback):
         return self._stream if self._stream is not None else sys.stderr
 
     def _is_terminal(self) -> bool:
+        if self._prefix:  # two bars on one terminal would overwrite each other
+            return False
         return bool(getattr(self.stream, "isatty", lambda: False)())
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -79,7 +84,8 @@ class CompactProgressCallback(ProgressCallback):
             # Without a terminal, the first line would wait for the first log: say the run is moving, and when.
             seconds = time.perf_counter() - self._last[0]
             print(
-                f"step 1/{state.max_steps} {seconds:.1f} s | next line at step {int(args.logging_steps)}",
+                f"{self._prefix}step 1/{state.max_steps} {seconds:.1f} s | next line at step "
+                f"{int(args.logging_steps)}",
                 file=self.stream,
                 flush=True,
             )
@@ -104,7 +110,7 @@ class CompactProgressCallback(ProgressCallback):
         if self._last is not None and step > self._last[1]:
             rate = f" {(now - self._last[0]) / (step - self._last[1]):.1f} s/step"
         self._last = (now, step)
-        print(f"step {step}/{state.max_steps}{rate} | {line}", file=self.stream, flush=True)
+        print(f"{self._prefix}step {step}/{state.max_steps}{rate} | {line}", file=self.stream, flush=True)
 
     @classmethod
     def summary(cls, logs: dict) -> str:
@@ -138,11 +144,12 @@ def stage_split(logs: dict) -> str:
     return " ".join(parts)
 
 
-def use_compact_console(trainer, log_path: str | Path) -> CompactProgressCallback:
-    """Replaces the trainer's console callbacks (which print every log dict) with a [`CompactProgressCallback`]."""
+def use_compact_console(trainer, log_path: str | Path, label: str | None = None) -> CompactProgressCallback:
+    """Replaces the trainer's console callbacks (which print every log dict) with a [`CompactProgressCallback`]
+    (`label`: see there)."""
     for noisy in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(noisy)
-    callback = CompactProgressCallback(log_path)
+    callback = CompactProgressCallback(log_path, label=label)
     trainer.add_callback(callback)
     return callback
 

@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,52 @@ def test_quickstart_run_folder(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "'completions/mean_length'" not in captured.out + captured.err
     assert "reward " in captured.err and "code " in captured.err
+
+
+TINY = dict(max_steps=2, prompts_per_step=2, num_generations=4, num_train=8, num_eval=8, threads=1)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores: the two runs train side by side on 2+")
+def test_runs_trained_side_by_side_give_the_results_of_runs_in_turn(tmp_path, capfd):
+    """A user's machine with a core for each run (2+ cores, one thread each): the text-only run trains in a forked
+    process beside the tool run. Each run is seeded alone, so every number of both runs must equal the numbers of the
+    same runs trained one after the other; and the two consoles stay apart (each line names its run)."""
+    together = run_quickstart(tmp_path / "together", side_by_side=True, **TINY)
+    lines = capfd.readouterr().err.splitlines()
+    in_turn = run_quickstart(tmp_path / "in_turn", side_by_side=False, **TINY)
+    for run in ("tool_rl", "text_rl"):
+        assert {k: v for k, v in together[run].items() if k != "train_s"} == {
+            k: v for k, v in in_turn[run].items() if k != "train_s"
+        }
+        logged = [json.loads(line) for line in (tmp_path / "together" / run / "log.jsonl").read_text().splitlines()]
+        assert [e["reward"] for e in logged if "reward" in e] == [
+            json.loads(line)["reward"]
+            for line in (tmp_path / "in_turn" / run / "log.jsonl").read_text().splitlines()
+            if "reward" in json.loads(line)
+        ]
+        assert any(line.startswith(f"{run} | step 2/2") for line in lines), lines
+    assert (tmp_path / "together" / "isolation.json").is_file()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores: the two runs train side by side on 2+")
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_failing_side_run_is_reported_by_name(tmp_path, monkeypatch, how):
+    """The forked run failing (an exception) or dying (killed, as by the OOM killer) is raised in the quickstart,
+    naming the run and, for a death, the way to train the runs one after the other: never a hang, never a summary
+    without it."""
+    from retool_trl.quickstart import runner
+
+    real = runner.train_run
+
+    def train_run(name, *args, **kwargs):
+        if name == "text_rl":
+            if how == "dies":
+                os._exit(3)
+            raise ValueError("a broken text run")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "train_run", train_run)
+    expected = "text_rl run failed in its own process" if how == "raises" else "exit code 3.*--side-by-side false"
+    with pytest.raises(RuntimeError, match=expected):
+        run_quickstart(tmp_path / "run", side_by_side=True, **TINY)
+    assert not (tmp_path / "run" / "summary.json").exists()
