@@ -171,6 +171,22 @@ def main() -> None:
     parser.add_argument("--scale-factor", type=float, default=1.0, help="with --scale: size of every measurement")
     parser.add_argument("--bursts", type=int, default=6, help="with --scale: bursts of fresh sessions, each way")
     parser.add_argument(
+        "--parts",
+        type=lambda text: text.split(","),
+        default=None,
+        help="with --scale: the measurements to run, a comma list of bursts,closing,floor,live,churn (default: all; "
+        "with --versus: live,churn)",
+    )
+    parser.add_argument(
+        "--versus", metavar="COMMIT", default=None, help="with --scale: alternate runs with COMMIT's package"
+    )
+    parser.add_argument("--versus-runs", type=int, default=3, help="with --versus: runs of each, alternated")
+    parser.add_argument(
+        "--in-container",
+        action="store_true",
+        help="with --versus: each run in a default rootful podman container (no cgroup: the watchdog samples)",
+    )
+    parser.add_argument(
         "--server", action="store_true", help="measure retool-trl sandbox-server (sandbox_server_bench)"
     )
     parser.add_argument("--server-runs", type=int, default=3, help="with --server: alternated runs (medians)")
@@ -211,10 +227,18 @@ def main() -> None:
             print(json.dumps(row))
         return
     if args.scale:
-        from sandbox_scale import run_scale  # scripts/bench/ is on sys.path when run as a script
+        from sandbox_scale import PARTS, run_scale, run_versus  # scripts/bench/ is on sys.path when run as a script
 
         if args.idle == parser.get_default("idle"):
             args.idle = 4.0
+        if args.parts and set(args.parts) - set(PARTS):
+            parser.error(f"--parts takes {','.join(PARTS)}; got {','.join(args.parts)}")
+        if args.versus:
+            row = run_versus(args)
+            results_log.record("sandbox_scale_versus", row, run, enabled=not args.no_record)
+            if args.json:
+                print(json.dumps(row))
+            return
         row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in run_scale(args, preload).items()}
         results_log.record("sandbox_scale", row, run, enabled=not args.no_record)
         if args.json:

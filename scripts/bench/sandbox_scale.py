@@ -17,7 +17,9 @@ Four measurements, each sized by `--scale-factor` (1.0 = the sizes below; a smal
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,7 +154,10 @@ def bench_live(sandbox, size: int, threads: int, rounds: int) -> dict:
             spares = set(_live_jails(sandbox)) - mine - jails_before
             mb = (usage - before) / (1 << 20) / (size + len(spares))
         else:
-            mb = sum(psutil.Process(p).memory_full_info().uss for p in mine) / (1 << 20) / size
+            try:
+                mb = sum(psutil.Process(p).memory_full_info().uss for p in mine) / (1 << 20) / size
+            except psutil.AccessDenied:  # sessions of another uid, without CAP_SYS_PTRACE (a default container)
+                mb = None
 
         def follow(session):
             start = time.perf_counter()
@@ -193,45 +198,65 @@ def bench_churn(sandbox, total: int, threads: int) -> dict:
     }
 
 
+PARTS = ("bursts", "closing", "floor", "live", "churn")
+
+
 def run_scale(args, preload) -> dict:
+    """The measurements of `args.parts` (default: all), one row; `preload` None: the sandbox's default."""
     f = args.scale_factor
+    parts = set(getattr(args, "parts", None) or PARTS)
     size, live, churn = max(8, round(256 * f)), max(8, round(1024 * f)), max(20, round(5000 * f))
     threads = min(32, size)
     workers = args.workers or os.cpu_count() or 1
+    loaded = {} if preload is None else {"preload": preload}
     row: dict = {"scale_factor": f, "burst_sessions": size, "live_sessions": live, "churn_sessions": churn}
-    with LocalSandbox(num_workers=workers, timeout_s=30.0, preload=preload) as sandbox:
+    with LocalSandbox(num_workers=workers, timeout_s=30.0, **loaded) as sandbox:
         sandbox.session().run("pass")  # the zygote's start is paid once per trainer
-        plain = bench_bursts(sandbox, size, args.bursts, threads, reserve=False, idle_s=args.idle)
-        reserved = bench_bursts(sandbox, size, args.bursts, threads, reserve=True, idle_s=args.idle)
-        closing = bench_burst_close(sandbox, size, args.bursts, threads, idle_s=args.idle)
-        held = bench_live(sandbox, live, threads, rounds=3)
-        gone = bench_churn(sandbox, churn, threads)
+        if "bursts" in parts:
+            plain = bench_bursts(sandbox, size, args.bursts, threads, reserve=False, idle_s=args.idle)
+            reserved = bench_bursts(sandbox, size, args.bursts, threads, reserve=True, idle_s=args.idle)
+            row.update(
+                burst_p50_ms=reserved["p50_ms"],
+                burst_p99_ms=reserved["p99_ms"],
+                burst_max_ms=reserved["max_ms"],
+                burst_noreserve_p50_ms=plain["p50_ms"],
+                burst_noreserve_p99_ms=plain["p99_ms"],
+                burst_noreserve_max_ms=plain["max_ms"],
+                fresh_per_s=plain["per_s"],
+            )
+        if "closing" in parts:
+            closing = bench_burst_close(sandbox, size, args.bursts, threads, idle_s=args.idle)
+            row.update(
+                burst_close_p50_ms=closing["p50_ms"],
+                burst_close_p99_ms=closing["p99_ms"],
+                burst_close_max_ms=closing["max_ms"],
+            )
+        if "live" in parts:
+            held = bench_live(sandbox, live, threads, rounds=3)
+            row.update(
+                live_follow_p50_ms=held["p50_ms"], live_follow_p99_ms=held["p99_ms"], live_mb_per_session=held["mb"]
+            )
+        if "churn" in parts:
+            gone = bench_churn(sandbox, churn, threads)
+            row.update(
+                churn_rss_growth_mb=gone["rss_growth_mb"],
+                churn_fds_left=gone["fds_left"],
+                churn_cgroups_left=gone["cgroups_left"],
+                churn_per_s=gone["per_s"],
+            )
         isolation = sandbox.isolation_used
-    row["fresh_floor_per_s"] = bench_floor(workers, preload, size)
+    if "floor" in parts:
+        row["fresh_floor_per_s"] = bench_floor(workers, preload, size)
     row.update(
-        burst_p50_ms=reserved["p50_ms"],
-        burst_p99_ms=reserved["p99_ms"],
-        burst_max_ms=reserved["max_ms"],
-        burst_close_p50_ms=closing["p50_ms"],
-        burst_close_p99_ms=closing["p99_ms"],
-        burst_close_max_ms=closing["max_ms"],
-        burst_noreserve_p50_ms=plain["p50_ms"],
-        burst_noreserve_p99_ms=plain["p99_ms"],
-        burst_noreserve_max_ms=plain["max_ms"],
-        fresh_per_s=plain["per_s"],
-        live_follow_p50_ms=held["p50_ms"],
-        live_follow_p99_ms=held["p99_ms"],
-        live_mb_per_session=held["mb"],
-        churn_rss_growth_mb=gone["rss_growth_mb"],
-        churn_fds_left=gone["fds_left"],
-        churn_cgroups_left=gone["cgroups_left"],
-        churn_per_s=gone["per_s"],
         isolation=isolation,
         workers=workers,
         threads=threads,
         cpu_count=os.cpu_count(),
         load_avg_1m=os.getloadavg()[0],
     )
+    if parts != set(PARTS):
+        row["parts"] = sorted(parts)
+        return row
     row["fresh_vs_floor"] = row["fresh_per_s"] / row["fresh_floor_per_s"]
     targets = [
         ("burst after reserve: first-call p99 <= 100 ms", row["burst_p99_ms"] <= 100),
@@ -270,3 +295,92 @@ def run_scale(args, preload) -> dict:
     )
     print("targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets))
     return row
+
+
+VERSUS_METRICS = ("live_follow_p50_ms", "live_follow_p99_ms", "churn_per_s", "live_mb_per_session")
+CONTAINER = ("podman", "--runtime", "runc", "run", "--rm", "--ulimit", "nofile=4096:4096", "--ulimit")
+
+
+def _tree_at(commit: str) -> tuple[Path, str]:
+    """A detached worktree of `commit` (made once, under the temp directory) and its full hash."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[2]
+    full = subprocess.run(["git", "rev-parse", commit], cwd=root, capture_output=True, text=True, check=True)
+    full = full.stdout.strip()
+    tree = Path(tempfile.gettempdir()) / f"retool-scale-{full[:10]}"
+    if not (tree / "retool_trl").is_dir():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), full], cwd=root, check=True)
+    return tree, full
+
+
+def run_versus(args) -> dict:
+    """`--scale --versus COMMIT`: the measurements of `--parts` (default live and churn) of this checkout and of
+    COMMIT's package, alternated `--versus-runs` times, each run a fresh process (inside a default rootful podman
+    container with `--in-container`, where no cgroup bounds a session and the zygote's watchdog samples every one);
+    the same benchmark code drives both. Medians with min-max, and this checkout's median over COMMIT's."""
+    import statistics
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    old_tree, old = _tree_at(args.versus)
+    parts = args.parts or ["live", "churn"]
+    child = [sys.executable, str(Path(__file__).resolve()), "--child", "--parts", ",".join(parts)]
+    child += ["--scale-factor", str(args.scale_factor), "--bursts", str(args.bursts), "--idle", str(args.idle)]
+    runs: dict = {"new": [], "old": []}
+    for i in range(args.versus_runs):
+        for side, tree in (("new", root), ("old", old_tree)) if i % 2 == 0 else (("old", old_tree), ("new", root)):
+            command = list(child)
+            if args.in_container:
+                command = [*CONTAINER, "nproc=8192:8192", "-w", str(root), "-e", f"PYTHONPATH={tree}"]
+                command += ["--rootfs", "/:O", *child]
+            started = time.perf_counter()
+            out = subprocess.run(
+                command, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=1800
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"the {side} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            if Path(row["package"]).resolve().parents[1] != tree.resolve():
+                raise SystemExit(f"the {side} run imported {row['package']}, not the package of {tree}")
+            runs[side].append(row)
+            shown = ", ".join(f"{k} {row[k]:.1f}" for k in VERSUS_METRICS if row.get(k) is not None)
+            took = time.perf_counter() - started
+            print(f"run {i + 1}/{args.versus_runs} {side}: {shown} ({took:.0f} s)", flush=True)
+    result: dict = {"versus": old[:10], "runs": args.versus_runs, "in_container": args.in_container, "parts": parts}
+    result["isolation"] = {side: runs[side][0]["isolation"] for side in runs}
+    for key in VERSUS_METRICS:
+        if any(r.get(key) is None for r in runs["new"] + runs["old"]):
+            continue
+        for side in runs:
+            values = [r[key] for r in runs[side]]
+            result[f"{key}_{side}"] = statistics.median(values)
+            result[f"{key}_{side}_min"], result[f"{key}_{side}_max"] = min(values), max(values)
+        result[f"{key}_ratio"] = result[f"{key}_new"] / result[f"{key}_old"]
+    print(f"this checkout vs {old[:10]} ({args.versus_runs} alternated runs each, medians (min-max)):")
+    for key in VERSUS_METRICS:
+        if f"{key}_ratio" in result:
+            new, old_ = (
+                f"{result[f'{key}_{s}']:.1f} ({result[f'{key}_{s}_min']:.1f}-{result[f'{key}_{s}_max']:.1f})"
+                for s in ("new", "old")
+            )
+            print(f"  {key:24s} {new:>22s}  vs {old_:>22s}  ratio {result[f'{key}_ratio']:.3f}")
+    return result
+
+
+if __name__ == "__main__":  # `--child`: one run of `run_scale` for `run_versus`, its row as the last line
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--parts", type=lambda text: text.split(","), default=None)
+    parser.add_argument("--scale-factor", type=float, default=1.0)
+    parser.add_argument("--bursts", type=int, default=6)
+    parser.add_argument("--idle", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, default=None)
+    cli = parser.parse_args()
+    import retool_trl
+
+    result = run_scale(cli, None)
+    print(json.dumps({**result, "package": retool_trl.__file__}))

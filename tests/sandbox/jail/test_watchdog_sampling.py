@@ -1,0 +1,116 @@
+"""The watchdog's sample at scale: where no cgroup bounds a session (root in a default container, a normal user), the
+zygote samples every live session ten times a second. At 1,024 live sessions most are parked between calls, and a
+full sample of each (its process tree, each process's memory, its open files, its scratch tree) took half a core. A
+session none of whose processes ran since a full sample found it within bounds is skipped; these tests hold that a
+skipped session is still caught the moment it runs again, on real processes of this machine.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from retool_trl.sandbox.jail import watchdog
+
+BOUNDS = {"memory": 200 << 20, "tasks": 64, "scratch": 64 << 20, "files": 1000, "by_fsuid": False}
+
+# Waits for SIGUSR1 (as a parked session waits, until its own timer wakes it); then forks a child that takes 300 MB
+# while the parent goes back to waiting: the memory is in a process the last full sample never saw.
+WAKES_AND_FORKS = """
+import os, signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: None)
+print("parked", flush=True)
+signal.pause()
+if os.fork() == 0:
+    held = b"x" * (300 << 20)
+    print("held", flush=True)
+    time.sleep(60)
+    os._exit(0)
+signal.pause()
+"""
+
+
+def _private_mb(pids):
+    return sum(watchdog.private_resident_bytes(p) for p in pids) >> 20
+
+
+@pytest.fixture
+def fresh_state():
+    watchdog._quiet.clear()
+    watchdog._next_walk.clear()
+    yield
+    watchdog._quiet.clear()
+    watchdog._next_walk.clear()
+
+
+def _start(code):
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "parked"
+    time.sleep(0.2)  # into its wait
+    return proc
+
+
+def test_a_parked_session_is_skipped_until_it_runs_and_then_caught(fresh_state, monkeypatch, tmp_path):
+    proc = _start(WAKES_AND_FORKS)
+    try:
+        sessions = [(proc.pid, str(tmp_path), 0)]
+        assert watchdog.enforce(sessions, BOUNDS) == {}
+        full = []
+        real = watchdog.private_resident_bytes
+        monkeypatch.setattr(watchdog, "private_resident_bytes", lambda pid: full.append(pid) or real(pid))
+        for _ in range(5):
+            assert watchdog.enforce(sessions, BOUNDS) == {}
+        assert full == [], "a session that did not run was sampled in full again"
+        proc.send_signal(signal.SIGUSR1)  # its own timer, say: it runs, forks, and the child takes 300 MB
+        assert proc.stdout.readline().strip() == "held"
+        child = [p for p in watchdog.process_tree(proc.pid)[0] if p != proc.pid]
+        assert child and _private_mb(child) >= 290
+        assert watchdog.enforce(sessions, BOUNDS) == {proc.pid: "memory"}
+        assert full, "the session ran, and was not sampled in full"
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_session_with_threads_is_sampled_in_full_every_time(fresh_state, monkeypatch):
+    """A process's run time in /proc/PID/schedstat is its main thread's: another thread's work would not show in it,
+    so a session with a second thread is never skipped."""
+    proc = _start(
+        "import threading, signal, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('parked', flush=True)\nsignal.pause()\n"
+    )
+    try:
+        full = []
+        real = watchdog.private_resident_bytes
+        monkeypatch.setattr(watchdog, "private_resident_bytes", lambda pid: full.append(pid) or real(pid))
+        for _ in range(3):
+            assert watchdog.enforce([(proc.pid, None, 0)], BOUNDS) == {}
+        assert full == [proc.pid] * 3
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_skipped_session_whose_scratch_grew_is_walked_again(fresh_state, tmp_path):
+    """Files take a process that runs: a parked session's tree is walked again once one of its processes has run."""
+    proc = _start(
+        "import signal, sys\nsignal.signal(signal.SIGUSR1, lambda *_: None)\nprint('parked', flush=True)\n"
+        "signal.pause()\n"
+        f"open({str(tmp_path / 'big')!r}, 'wb').write(b'x' * (80 << 20))\nprint('held', flush=True)\nsignal.pause()\n"
+    )
+    try:
+        sessions = [(proc.pid, str(tmp_path), 0)]
+        assert watchdog.enforce(sessions, BOUNDS) == {}
+        assert proc.pid in watchdog._quiet
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.stdout.readline().strip() == "held"
+        os.sync()
+        assert watchdog.enforce(sessions, BOUNDS) == {proc.pid: "scratch"}
+    finally:
+        proc.kill()
+        proc.wait()
