@@ -201,7 +201,7 @@ class _Zygote(JailEnding):
     def serve(self):
         wake_r, wake_w = socket.socketpair()
         wake_w.setblocking(False)
-        signal.set_wakeup_fd(wake_w.fileno())
+        signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)  # full: a wake-up is already due
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd to fire
         no_sigchld_on_stop()  # only deaths wake the zygote, not the per-call stop and resume of a session
         self.selector.register(self.control, selectors.EVENT_READ, ("control", None))
