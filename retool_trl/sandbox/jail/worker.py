@@ -38,7 +38,7 @@ from reaping import (  # noqa: E402
     send_hello,
     weigh,
 )
-from session_process import session_main  # noqa: E402
+from session_process import SHARED_DESCRIPTORS, close_all_but, session_main, share_reach  # noqa: E402
 from watchdog import INTERVAL_S, scratch_unbounded, session_bounds  # noqa: E402
 from wire import frame  # noqa: E402
 
@@ -118,7 +118,7 @@ class _Zygote(JailEnding):
                 mine = [os.dup(fd) for fd in (devnull, output, output, request_r, status_w, ready_w)]
                 for target, fd in enumerate(mine):
                     os.dup2(fd, target)
-                os.closerange(len(mine), 1 << 16)
+                close_all_but(len(mine), SHARED_DESCRIPTORS)  # those every session reaches paths through
                 session_main(self.config, {"name": name, "uid": uid, "cgroups": cgroups, "warm": warm})
             except BaseException:  # noqa: B036 - a child must never return into the zygote's loop
                 traceback.print_exc()
@@ -334,6 +334,7 @@ def main():
     # Processes of a session that dies before them (killed with it, without a pid namespace) come back to us and are
     # reaped, not to whoever is pid 1 (the trainer itself, in many containers), where they would stay zombies.
     libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    share_reach(config, random.randrange(1 << 24, 1 << 31))  # before the freeze: the rewritten paths are shared
     gc.freeze()  # keep the collector off the preloaded objects, so forked children do not copy their pages
     _Zygote(control, config).serve()
 
