@@ -192,7 +192,10 @@ def _over(pids, tasks, bounds, scratch, uid):
     scratch was looked at now (its walk is due at most `WALK_SHARE` of the time)."""
     if bounds.get("tasks") is not None and tasks > bounds["tasks"]:
         return "processes", False
-    if bounds.get("memory") is not None and sum(private_resident_bytes(p) for p in pids) > bounds["memory"]:
+    # One process of one thread: its own address-space limit (RLIMIT_AS, `memory_mb`, which a cell cannot raise)
+    # already bounds its resident memory, as after every call (the call's processes and threads end with it).
+    alone = len(pids) == 1 and tasks == 1
+    if bounds.get("memory") is not None and not alone and sum(map(private_resident_bytes, pids)) > bounds["memory"]:
         return "memory", False
     if not scratch or not scratch_due(scratch, start := time.monotonic()):
         return None, False
