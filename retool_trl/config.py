@@ -147,6 +147,10 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             `RETOOL_SANDBOX_TOKEN`.
         sandbox_max_concurrency (`int`, defaults to `32`):
             Requests in flight to the remote sandbox service.
+        sandbox_memory_wait_s (`float`, defaults to `600`):
+            On `retool-trl sandbox-server`, how long a session's open waits while the server's memory is reserved by
+            other sessions (`429`, `memory_full`), as sessions close when their rollouts end; past it the session's
+            calls fail as infrastructure errors (retried, never scored).
 
         > Rewards
 
@@ -322,6 +326,8 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             )
         if self.sandbox_backend == "remote" and not self.sandbox_url:
             raise ValueError("ReToolConfig.sandbox_url is required when sandbox_backend='remote'.")
+        if self.sandbox_memory_wait_s < 0:
+            raise ValueError(f"ReToolConfig.sandbox_memory_wait_s must be >= 0, got {self.sandbox_memory_wait_s}.")
         if self.sandbox_timeout_s <= 0:
             raise ValueError(f"ReToolConfig.sandbox_timeout_s must be > 0, got {self.sandbox_timeout_s}.")
         if self.sandbox_memory_mb < 64:

@@ -130,6 +130,9 @@ class ReToolOptions:
     sandbox_max_concurrency: int = field(
         default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}
     )
+    sandbox_memory_wait_s: float = field(
+        default=600.0, metadata={"help": "Wait for sandbox-server memory, s."}
+    )
     system_prompt: str | None = field(
         default="retool",
         metadata={
@@ -215,6 +218,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "max_cell_chars",
         "sandbox_url",
         "sandbox_max_concurrency",
+        "sandbox_memory_wait_s",
         "sandbox_allow_root_without_isolation",
     ),
     "rewards": ("correct_reward", "incorrect_reward", "tool_use_bonus"),

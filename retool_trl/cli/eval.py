@@ -95,6 +95,7 @@ INTERPRETER_FIELDS = (
     "sandbox_memory_mb",
     "sandbox_url",
     "sandbox_max_concurrency",
+    "sandbox_memory_wait_s",
     # The opt-in training has, so that the sandbox's refusal as root without bubblewrap names a fix that works here.
     "sandbox_allow_root_without_isolation",
 )

@@ -132,7 +132,7 @@ def train_help() -> str:
         overrides={
             "model_name_or_path": MODEL_HELP,
             "dataset_name": _DATASET_HELP,
-            "dataset_config": "Hub configuration of dataset_name (for synthetic: the difficulty, e.g. '2').",
+            "dataset_config": "Hub configuration (synthetic: the difficulty, e.g. '2').",
         },
         epilog=more_options(f"{PROG} train", "GRPOConfig", TRL_OPTIONS),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import build_sandbox
 from .base import Sandbox
 from .cell_limits import with_cell_limits
+from .remote.service import DEFAULT_MEMORY_WAIT_S
 
 
 def sandbox_from_config(args) -> Sandbox:
@@ -14,8 +15,8 @@ def sandbox_from_config(args) -> Sandbox:
 
     Args:
         args: Has `sandbox_backend`, `sandbox_timeout_s`, `sandbox_memory_mb`, `max_interpreter_output_chars` and,
-            for `"local"`, `sandbox_workers` and `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url`
-            and `sandbox_max_concurrency`.
+            for `"local"`, `sandbox_workers` and `sandbox_allow_root_without_isolation`; for `"remote"`, `sandbox_url`,
+            `sandbox_max_concurrency` and `sandbox_memory_wait_s`.
     """
     return with_cell_limits(_backend_from_config(args), args)
 
@@ -31,6 +32,7 @@ def _backend_from_config(args) -> Sandbox:
             memory_mb=args.sandbox_memory_mb,
             max_output_chars=max_output_chars,
             max_concurrency=args.sandbox_max_concurrency,
+            memory_wait_s=getattr(args, "sandbox_memory_wait_s", DEFAULT_MEMORY_WAIT_S),
         )
     return build_sandbox(
         "local",

@@ -150,7 +150,7 @@ def render_table(table: Table, directory: Path) -> str:
                 heads[i] += " (`" + " ".join(key[1:]) + "`)"
     has_targets = bool(table.targets)
     out = ["| | " + " | ".join(heads) + (" | target |" if has_targets else " |")]
-    out.append("|---|" + "---|" * (len(heads) + has_targets))
+    out.append("|---|" + "---|" * (sum(h.count(" | ") + 1 for h in heads) + has_targets))
     for label, cell in table.rows:
         cells = [cell(line) for _, line in chosen]
         if all(c == "—" for c in cells):
@@ -484,6 +484,33 @@ STAGES = Table(
 )
 
 
+def _versus(key: str, fmt: str = ".1f") -> Cell:
+    """`key` of `--versus`: this checkout's median (min-max), the other commit's, and their ratio."""
+
+    def cell(r: dict) -> str:
+        if r.get(f"{key}_ratio") is None:
+            return "—"
+        new, old = (
+            f"{num(r[f'{key}_{s}'], fmt)} ({num(r[f'{key}_{s}_min'], fmt)}-{num(r[f'{key}_{s}_max'], fmt)})"
+            for s in ("new", "old")
+        )
+        return f"{new} | {old} | **{num(r[f'{key}_ratio'], '.2f')}**"
+
+    return cell
+
+
+SCALE_VERSUS = Table(
+    "sandbox_scale_versus",
+    "python scripts/bench/bench_sandbox.py --scale --versus 95cd8ab --versus-runs 5 --in-container --json",
+    [
+        ("1,024 live sessions: follow-up p50, ms", _versus("live_follow_p50_ms")),
+        ("1,024 live sessions: follow-up p99, ms", _versus("live_follow_p99_ms")),
+        ("churn of 5,000: sessions opened, run and closed per second", _versus("churn_per_s", ".0f")),
+    ],
+    header="this checkout | 95cd8ab | ratio",
+)
+
+
 def _is_arms(setting: str, key: str, fmt: str) -> Cell:
     """`key` of one sampling setting, with the replay / without it."""
 
@@ -521,7 +548,7 @@ IS_REPLAY = Table(
 
 def blocks(directory: Path) -> dict[str, str]:
     rendered = {"readme": readme_table(directory)}
-    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SERVER, CPU_LOAD, STAGES, IS_REPLAY):
+    for table in (ROLLOUT, VLLM, ASYNC, GPU_MODEL, SANDBOX, SCALE, SCALE_VERSUS, SERVER, CPU_LOAD, STAGES, IS_REPLAY):
         rendered[table.benchmark] = render_table(table, directory)
     rendered.update(render_quickstart.blocks(directory))
     rendered.update(render_capacity.blocks(directory))

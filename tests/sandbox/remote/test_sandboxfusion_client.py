@@ -140,9 +140,10 @@ def test_config_gives_the_remote_backend_the_local_limits(server):
         sandbox_memory_mb=768,
         max_interpreter_output_chars=2000,
         sandbox_max_concurrency=4,
+        sandbox_memory_wait_s=45.0,
     )
     with sandbox_from_config(args) as sb:
-        assert (sb.timeout_s, sb.memory_mb, sb.max_output_chars) == (2.0, 768, 8000)
+        assert (sb.timeout_s, sb.memory_mb, sb.max_output_chars, sb.memory_wait_s) == (2.0, 768, 8000, 45.0)
 
 
 def test_a_cell_that_kills_the_program_is_a_crash(sandbox):
