@@ -326,7 +326,7 @@ class ReToolConfig(ReToolOptions, GRPOConfig):
             )
         if self.sandbox_backend == "remote" and not self.sandbox_url:
             raise ValueError("ReToolConfig.sandbox_url is required when sandbox_backend='remote'.")
-        if self.sandbox_memory_wait_s < 0:
+        if not self.sandbox_memory_wait_s >= 0:  # NaN too
             raise ValueError(f"ReToolConfig.sandbox_memory_wait_s must be >= 0, got {self.sandbox_memory_wait_s}.")
         if self.sandbox_timeout_s <= 0:
             raise ValueError(f"ReToolConfig.sandbox_timeout_s must be > 0, got {self.sandbox_timeout_s}.")

@@ -130,14 +130,16 @@ def train_run(
 
 def side_by_side(args: QuickstartArguments) -> bool:
     """Whether the two runs train at once: asked for, with a set number of threads, and a core for each thread."""
-    return bool(args.side_by_side and args.threads and (os.cpu_count() or 1) >= len(RUNS) * args.threads)
+    return bool(args.side_by_side and args.threads and len(os.sched_getaffinity(0)) >= len(RUNS) * args.threads)
 
 
 def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict:
     """Trains the first run here and the other in a forked process, each with its own sandbox, and returns both
     results as `train_run` gives them. The fork comes before any sandbox starts (its threads and sockets are not
     copied); a failure or death of the other process is raised here, naming its run."""
+    import ctypes
     import multiprocessing
+    import signal
     import traceback
 
     from transformers.utils import logging as transformers_logging
@@ -145,12 +147,10 @@ def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict
     from ..reporting.isolation import record_isolation
 
     first, second = RUNS
-    # Two processes' bars on one console write over each other's lines: each run prints labelled lines instead.
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    context = multiprocessing.get_context("fork")
 
     def other_run():
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: it ends with the quickstart, however it ends
         try:
             sandbox = make_sandbox()
             try:
@@ -163,10 +163,15 @@ def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict
         except BaseException as exc:  # noqa: B036 - the parent reports it, whatever it was
             send.send(("error", "".join(traceback.format_exception(exc))))
 
-    process = multiprocessing.get_context("fork").Process(target=other_run, name=f"quickstart {second}")
-    process.start()
-    send.close()
+    # Two processes' bars on one console write over each other's lines: each run prints labelled lines instead.
+    bars = transformers_logging.is_progress_bar_enabled()
+    receive = send = process = None
     try:
+        transformers_logging.disable_progress_bar()
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=other_run, name=f"quickstart {second}")
+        process.start()
+        send.close()
         sandbox = make_sandbox()
         try:
             record_isolation(sandbox, out)
@@ -178,7 +183,7 @@ def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict
         finally:
             sandbox.close()
         try:
-            kind, value = receive.recv()
+            kind, value = receive.recv()  # EOFError once the other process is gone without a word
         except EOFError:
             process.join()
             raise RuntimeError(
@@ -190,10 +195,12 @@ def _train_side_by_side(args, start, tokenizer, plan, out, make_sandbox) -> dict
         results[second] = value
         return results
     finally:
-        if process.is_alive():
-            process.terminate()
-        process.join()
-        receive.close()
+        if process is not None:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        if receive is not None:
+            receive.close()
         if bars:
             transformers_logging.enable_progress_bar()
 

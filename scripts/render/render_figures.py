@@ -494,7 +494,7 @@ def _versus(key: str, fmt: str = ".1f") -> Cell:
             f"{num(r[f'{key}_{s}'], fmt)} ({num(r[f'{key}_{s}_min'], fmt)}-{num(r[f'{key}_{s}_max'], fmt)})"
             for s in ("new", "old")
         )
-        return f"{new} | {old} | **{num(r[f'{key}_ratio'], '.2f')}**"
+        return f"{new} | {old} | {num(r[f'{key}_ratio'], '.2f')}"
 
     return cell
 

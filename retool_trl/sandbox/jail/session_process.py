@@ -291,7 +291,10 @@ def share_reach(config, probe_uid):
     with os.fdopen(read_end, "rb") as answer:
         data = answer.read()
     os.waitpid(pid, 0)
-    blocked = set(json.loads(data)) if data else None
+    try:
+        blocked = set(json.loads(data)) if data else None
+    except ValueError:  # cut short
+        blocked = None
     if blocked is None:  # the probe failed: each session looks for itself, as before
         for fd in held.values():
             os.close(fd)

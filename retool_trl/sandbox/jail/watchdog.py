@@ -15,11 +15,15 @@ path past PATH_MAX) counts as over its bound; a tree that takes long to walk is 
 at most about a tenth of its time on one session's tree), so a session with many files is checked with more slack,
 never not at all.
 
-A session none of whose processes ran since its last full sample (a parked session between calls: most of them at
-1,024 live sessions) is not sampled again: nothing it holds can have grown, as memory, files and new processes take
-CPU. That is read from each process's run time (/proc/PID/schedstat, nanoseconds: a timer's wake-up of a few
-microseconds shows), at about a tenth of a full sample's cost, for sessions whose processes have one thread each
-(schedstat counts the main thread only); any other session is sampled in full every time.
+A session none of whose processes ran since a full sample found it within bounds (a parked session between calls:
+most of them at 1,024 live sessions) is sampled in full again only once a second (`QUIET_RESAMPLE_S`) rather than
+ten times: what it holds takes its processes' CPU to grow, read from each one's run time (/proc/PID/schedstat,
+nanoseconds: a timer's wake-up of a few microseconds shows) at a fraction of a full sample's cost, for sessions whose
+processes have one thread each (schedstat counts the main thread only). The resample bounds what can grow without
+them running: a file another session writes through a descriptor passed to it (on kernels whose Landlock does not
+scope abstract UNIX sockets), pages the kernel's khugepaged fills in under a sparse huge-page range. A session of one
+process with one thread (every session between calls) is held to `memory_mb` by its address-space limit, which a
+cell cannot raise, so its memory is not summed.
 Stdlib-only: the zygote imports it as a sibling script module.
 """
 
@@ -32,9 +36,11 @@ import stat
 import time
 
 INTERVAL_S = 0.1
+QUIET_RESAMPLE_S = 1.0  # how often a session that has not run is sampled in full all the same
 WALK_SHARE = 0.1  # the most of the zygote's time one session's scratch walk may take, on average
 _next_walk = {}  # scratch directory -> when its tree is walked next (monotonic seconds)
-_quiet = {}  # session pid -> {pid: run time (ns)} of its processes before a full sample found it within bounds
+# session pid -> ({pid: run time (ns)} before a full sample found it within bounds, that sample's monotonic time)
+_quiet = {}
 
 
 def process_tree(pid):
@@ -156,13 +162,16 @@ def scratch_due(scratch, now):
 
 
 def run_times(pids):
-    """`{pid: nanoseconds it has run}` (/proc/PID/schedstat, its main thread), or None where one is gone."""
+    """`{pid: nanoseconds it has run}` (/proc/PID/schedstat, its main thread), or None where one is gone or reads 0
+    (a kernel that keeps no run times: a process that ran at all has run more than 0 ns)."""
     times = {}
     for pid in pids:
         try:
             with open(f"/proc/{pid}/schedstat", "rb") as f:
                 times[pid] = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
+            return None
+        if times[pid] <= 0:
             return None
     return times
 
@@ -172,18 +181,18 @@ def over_budget(pid, bounds, scratch=None, uid=0):
     (`bounds`: `memory` bytes and `tasks`, None where a cgroup keeps them; `scratch` bytes and `files`), else None.
     The scratch counts the tree and the unnamed files the processes hold open (`unnamed_file_bytes`). A session that
     has not run since a full sample found it within bounds is not sampled again (see the module's docstring)."""
-    last = _quiet.get(pid)
-    if last is not None and run_times(last) == last:
+    last, sampled_at = _quiet.get(pid, (None, 0.0))
+    if last is not None and time.monotonic() - sampled_at < QUIET_RESAMPLE_S and run_times(last) == last:
         return list(last), None
     _quiet.pop(pid, None)
     pids, tasks = process_tree(pid)
     # Read before the sample: a process that runs after this shows in its run time. Where each process has one
     # thread, and no process came or went meanwhile (a fork between the walk and this read), a sample that found the
     # session within bounds, its tree walked too, holds until one of them runs.
-    before = run_times(pids) if tasks == len(pids) else None
+    before, sampled_at = (run_times(pids) if tasks == len(pids) else None), time.monotonic()
     reason, walked = _over(pids, tasks, bounds, scratch, uid)
     if reason is None and before is not None and (walked or not scratch) and process_tree(pid) == (pids, tasks):
-        _quiet[pid] = before
+        _quiet[pid] = (before, sampled_at)
     return pids, reason
 
 

@@ -114,3 +114,21 @@ def test_a_skipped_session_whose_scratch_grew_is_walked_again(fresh_state, tmp_p
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_skipped_session_is_sampled_in_full_once_a_second_all_the_same(fresh_state, tmp_path):
+    """What can grow while a session's processes do not run: on a kernel whose Landlock does not scope abstract UNIX
+    sockets, another session writes into a parked session's file through a descriptor passed to it (here this test's
+    process writes, the parked one never runs). Skipped at once, it is caught at the resample a second later."""
+    proc = _start("import signal\nprint('parked', flush=True)\nsignal.pause()\n")
+    try:
+        sessions = [(proc.pid, str(tmp_path), 0)]
+        assert watchdog.enforce(sessions, BOUNDS) == {}
+        (tmp_path / "written_by_another").write_bytes(b"x" * (80 << 20))
+        os.sync()
+        assert watchdog.enforce(sessions, BOUNDS) == {}  # within the resample interval: not looked at
+        time.sleep(watchdog.QUIET_RESAMPLE_S)
+        assert watchdog.enforce(sessions, BOUNDS) == {proc.pid: "scratch"}
+    finally:
+        proc.kill()
+        proc.wait()

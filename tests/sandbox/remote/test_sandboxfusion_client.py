@@ -408,3 +408,12 @@ def test_a_cell_that_kills_itself_is_not_the_sandboxs_failure(server):
         row = Row(prompt_ids=[1])
         (result,) = run_cells(sb, [(row, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")])
         assert not result.infra_error and not row.infra_failed and row.infra_errors == 0
+
+
+@pytest.mark.parametrize("wait", [-1.0, float("nan")])
+def test_a_memory_wait_that_is_no_duration_is_refused_in_one_line(wait):
+    """A config's `sandbox_memory_wait_s` of -1 or NaN (a YAML `.nan`) would make every open give up at once."""
+    from retool_trl.config import ReToolConfig
+
+    with pytest.raises(ValueError, match="sandbox_memory_wait_s must be >= 0"):
+        ReToolConfig(output_dir="unused", sandbox_memory_wait_s=wait)
