@@ -27,6 +27,7 @@ import traceback
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 from ending import RETIRE_WAIT_S, JailEnding  # noqa: E402
 from jail_setup import CLONE_NEWPID, check, libc, probe_jail  # noqa: E402
+from reach import SHARED_DESCRIPTORS, close_all_but, share_reach  # noqa: E402
 from reaping import (  # noqa: E402
     FULL_WEIGHT,
     Jail,
@@ -38,7 +39,7 @@ from reaping import (  # noqa: E402
     send_hello,
     weigh,
 )
-from session_process import SHARED_DESCRIPTORS, close_all_but, session_main, share_reach  # noqa: E402
+from session_process import session_main  # noqa: E402
 from watchdog import INTERVAL_S, scratch_unbounded, session_bounds  # noqa: E402
 from wire import frame  # noqa: E402
 
