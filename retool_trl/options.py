@@ -130,9 +130,7 @@ class ReToolOptions:
     sandbox_max_concurrency: int = field(
         default=32, metadata={"help": "Concurrent requests to the remote sandbox service."}
     )
-    sandbox_memory_wait_s: float = field(
-        default=600.0, metadata={"help": "Wait for sandbox-server memory, s."}
-    )
+    sandbox_memory_wait_s: float = field(default=600.0, metadata={"help": "Wait for sandbox-server memory, s."})
     system_prompt: str | None = field(
         default="retool",
         metadata={
