@@ -16,7 +16,6 @@ import linecache
 import os
 import resource
 import signal
-import stat
 import struct
 import sys
 import threading
@@ -33,7 +32,7 @@ from jail_setup import (  # a sibling script module (worker.py puts this directo
     write_file,
 )
 from landlock import open_rule_paths, restrict_self  # the Landlock syscalls, a sibling script module
-from watchdog import scratch_unbounded  # the zygote's bounds, a sibling script module
+from watchdog import own_unnamed_file_bytes, scratch_unbounded  # the zygote's bounds, a sibling script module
 from wire import HEADER, frame  # the host's wire format
 
 # In a session process: 0 /dev/null, 1 and 2 the output memfd, 3 requests, 4 statuses, 5 "set up" (closed early).
@@ -171,7 +170,7 @@ class _Cell:
         if survivors:
             ok, fatal = False, "background thread"
             error = (error or "") + f"RuntimeError: {survivors} background thread(s) still running after the cell\n"
-        if self.count_unnamed and _own_unnamed_file_bytes() > self.config["scratch_mb"] << 20:
+        if self.count_unnamed and own_unnamed_file_bytes() > self.config["scratch_mb"] << 20:
             # Files deleted while held open (or O_TMPFILE ones) are out of the scratch tree: counted at the call's
             # end too, not only at the zygote's next sample (which also adds the tree, and catches a cell that
             # rewrote this loop).
@@ -186,22 +185,6 @@ class _Cell:
         except OSError:
             pass  # the native output already reached the file size limit
         return {"ok": ok, "error": error, "fatal": fatal, "skipped": max(0, capture.total - len(text))}
-
-
-def _own_unnamed_file_bytes():
-    """`watchdog.unnamed_file_bytes` of this process, by `fstat` of each descriptor rather than `stat` of its
-    /proc/self/fd path (a path walk through /proc, under Landlock and seccomp, for each: at every call's end it cost
-    a third of a short call)."""
-    seen, total = set(), 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            info = os.fstat(int(name))
-        except (OSError, ValueError):
-            continue  # the listing's own descriptor, closed by now
-        if stat.S_ISREG(info.st_mode) and info.st_nlink == 0 and (info.st_dev, info.st_ino) not in seen:
-            seen.add((info.st_dev, info.st_ino))
-            total += info.st_blocks * 512
-    return total
 
 
 # Plain ints and the C function: `signal.pthread_sigmask` turns every result into enum members (30x slower).
