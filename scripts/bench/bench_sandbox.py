@@ -133,6 +133,13 @@ def bench_jail_startup(preload: tuple[str, ...], workers: int, runs: int) -> dic
     }
 
 
+def _record(benchmark: str, row: dict, run: dict, args) -> None:
+    """Appends the run's line to the benchmark's results file (unless `--no-record`); with `--json` prints it too."""
+    results_log.record(benchmark, row, run, enabled=not args.no_record)
+    if args.json:
+        print(json.dumps(row))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -210,9 +217,7 @@ def main() -> None:
         from sandbox_capacity import run_capacity  # scripts/bench/ is on sys.path when run as a script
 
         row = run_capacity(args)
-        results_log.record("sandbox_capacity", row, run, enabled=not args.no_record)
-        if args.json:
-            print(json.dumps(row))
+        _record("sandbox_capacity", row, run, args)
         return
     args.sessions = args.sessions[0] if args.sessions else 64
 
@@ -222,9 +227,7 @@ def main() -> None:
         from sandbox_server_bench import run_server  # scripts/bench/ is on sys.path when run as a script
 
         row = run_server(args)
-        results_log.record("sandbox_server", row, run, enabled=not args.no_record)
-        if args.json:
-            print(json.dumps(row))
+        _record("sandbox_server", row, run, args)
         return
     if args.scale:
         from sandbox_scale import PARTS, run_scale, run_versus  # scripts/bench/ is on sys.path when run as a script
@@ -235,14 +238,10 @@ def main() -> None:
             parser.error(f"--parts takes {','.join(PARTS)}; got {','.join(args.parts)}")
         if args.versus:
             row = run_versus(args)
-            results_log.record("sandbox_scale_versus", row, run, enabled=not args.no_record)
-            if args.json:
-                print(json.dumps(row))
+            _record("sandbox_scale_versus", row, run, args)
             return
         row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in run_scale(args, preload).items()}
-        results_log.record("sandbox_scale", row, run, enabled=not args.no_record)
-        if args.json:
-            print(json.dumps(row))
+        _record("sandbox_scale", row, run, args)
         return
     spares = args.spares if args.spares is not None else args.sessions
     with LocalSandbox(num_workers=workers, timeout_s=5.0, preload=preload, spares=spares) as sandbox:
@@ -315,9 +314,7 @@ def main() -> None:
     ]
     print("targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets))
     row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-    results_log.record("sandbox", row, run, enabled=not args.no_record)
-    if args.json:
-        print(json.dumps(row))
+    _record("sandbox", row, run, args)
 
 
 if __name__ == "__main__":
