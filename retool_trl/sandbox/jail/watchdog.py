@@ -23,7 +23,9 @@ processes have one thread each (schedstat counts the main thread only). The resa
 them running: a file another session writes through a descriptor passed to it (on kernels whose Landlock does not
 scope abstract UNIX sockets), pages the kernel's khugepaged fills in under a sparse huge-page range. A session of one
 process with one thread (every session between calls) is held to `memory_mb` by its address-space limit, which a
-cell cannot raise, so its memory is not summed.
+cell cannot raise, so its memory is not summed; where, besides, no other session can hand it a descriptor (`sealed`:
+Landlock ABI 6+), neither can grow without it running, and it is resampled every `SEALED_RESAMPLE_S` instead (at
+1,024 parked sessions the once-a-second resample was most of the zygote's watching).
 Stdlib-only: the zygote imports it as a sibling script module.
 """
 
@@ -31,16 +33,20 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import shutil
 import stat
 import time
 
 INTERVAL_S = 0.1
 QUIET_RESAMPLE_S = 1.0  # how often a session that has not run is sampled in full all the same
+# ... a session of one process with one thread whose files no other session can reach (`sealed` bounds): see below
+SEALED_RESAMPLE_S = 5.0
 WALK_SHARE = 0.1  # the most of the zygote's time one session's scratch walk may take, on average
 _next_walk = {}  # scratch directory -> when its tree is walked next (monotonic seconds)
 # session pid -> ({pid: run time (ns)} before a full sample found it within bounds, that sample's monotonic time)
 _quiet = {}
+_schedstat_fds = {}  # pid -> its /proc/PID/schedstat, open (`_schedstat`)
 
 
 def process_tree(pid):
@@ -62,13 +68,26 @@ def private_resident_bytes(pid):
     `statm`'s "shared" column would have hidden it), from /proc/PID/status."""
     total = 0
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith((b"RssAnon:", b"RssShmem:")):
-                    total += int(line.split()[1]) << 10
+        for line in read_proc(f"/proc/{pid}/status").splitlines():
+            if line.startswith((b"RssAnon:", b"RssShmem:")):
+                total += int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
         return 0
     return total
+
+
+def read_proc(path, size=8192):
+    """The bytes of a /proc file, read from a raw descriptor: half the cost of `open()`'s buffered file object,
+    which at 1,024 live sessions, ten samples a second, was a tenth of a core on its own. One read, unless it
+    filled the buffer (a long list of children)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = [os.read(fd, size)]
+        while len(parts[-1]) == size:
+            parts.append(os.read(fd, size))
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def unnamed_file_bytes(pids):
@@ -144,6 +163,9 @@ def session_bounds(config):
         "scratch": config["scratch_mb"] << 20,
         "files": config["max_files"],
         "by_fsuid": bool(config.get("watch_by_fsuid")),
+        # Sessions cannot hand each other descriptors: Landlock scopes abstract UNIX sockets to the session (ABI 6+),
+        # and a pathname socket can only be bound in the session's own scratch, which no other session's uid reaches.
+        "sealed": int((config.get("landlock") or {}).get("abi", 0)) >= 6,
     }
 
 
@@ -191,13 +213,36 @@ def run_times(pids):
     times = {}
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/schedstat", "rb") as f:
-                times[pid] = int(f.read().split()[0])
+            times[pid] = int(_schedstat(pid).split()[0])
         except (OSError, ValueError, IndexError):
+            _forget_schedstat(pid)
             return None
         if times[pid] <= 0:
             return None
     return times
+
+
+def _schedstat(pid):
+    """/proc/PID/schedstat, through a descriptor kept open and re-read with `pread` (a fifth of the cost of opening it
+    each time, read for every parked session ten times a second). The descriptor names that process, not the number:
+    once it is gone a read fails (ESRCH), even if another process has taken its pid. Descriptors are kept while the
+    table is under three quarters full, the rest left to the sessions' own."""
+    fd = _schedstat_fds.get(pid)
+    if fd is None:
+        fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        if fd >= resource.getrlimit(resource.RLIMIT_NOFILE)[0] * 3 // 4:
+            try:
+                return os.read(fd, 128)
+            finally:
+                os.close(fd)
+        _schedstat_fds[pid] = fd
+    return os.pread(fd, 128, 0)
+
+
+def _forget_schedstat(pid):
+    fd = _schedstat_fds.pop(pid, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def over_budget(pid, bounds, scratch=None, uid=0):
@@ -206,8 +251,10 @@ def over_budget(pid, bounds, scratch=None, uid=0):
     The scratch counts the tree and the unnamed files the processes hold open (`unnamed_file_bytes`). A session that
     has not run since a full sample found it within bounds is not sampled again (see the module's docstring)."""
     last, sampled_at = _quiet.get(pid, (None, 0.0))
-    if last is not None and time.monotonic() - sampled_at < QUIET_RESAMPLE_S and run_times(last) == last:
-        return list(last), None
+    if last is not None:
+        resample_s = SEALED_RESAMPLE_S if bounds.get("sealed") and len(last) == 1 else QUIET_RESAMPLE_S
+        if time.monotonic() - sampled_at < resample_s and run_times(last) == last:
+            return list(last), None
     _quiet.pop(pid, None)
     pids, tasks = process_tree(pid)
     # Read before the sample: a process that runs after this shows in its run time. Where each process has one
@@ -250,6 +297,10 @@ def enforce(sessions, bounds):
     live = {pid for pid, _, _ in sessions}
     for gone in [pid for pid in _quiet if pid not in live]:
         del _quiet[gone]
+    if len(_schedstat_fds) > len(_quiet):  # descriptors of processes no quiet session holds any more
+        held = {member for last, _ in _quiet.values() for member in last}
+        for gone in [member for member in _schedstat_fds if member not in held]:
+            _forget_schedstat(gone)
     for pid, scratch, uid in sessions:
         pids, reason = over_budget(pid, bounds, scratch, uid)
         if reason is None:
@@ -313,8 +364,7 @@ def _children(pid):
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
             threads += 1
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                found.extend(int(child) for child in f.read().split())
+            found.extend(int(child) for child in read_proc(f"/proc/{pid}/task/{tid}/children").split())
     except (OSError, ValueError):
         pass
     return found, threads
