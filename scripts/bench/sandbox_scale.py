@@ -141,6 +141,28 @@ def _memory_usage(sandbox) -> int | None:
     return None
 
 
+def _zygote_process(sandbox):
+    """The zygote: the outermost process running the jail worker (the sandbox may start it under bubblewrap)."""
+    top = psutil.Process(sandbox._zygote.proc.pid)
+    for proc in [top, *top.children(recursive=True)]:
+        try:
+            if any(part.endswith("worker.py") for part in proc.cmdline()):
+                return proc
+        except psutil.Error:
+            continue
+    return None
+
+
+def _idle_cpu_share(proc, seconds: float) -> float | None:
+    """The share of one core `proc` took over `seconds` (None where it cannot be read)."""
+    try:
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(seconds)
+        return (sum(proc.cpu_times()[:2]) - before) / seconds
+    except (psutil.Error, AttributeError):
+        return None
+
+
 def bench_live(sandbox, size: int, threads: int, rounds: int) -> dict:
     time.sleep(1.0)
     before = _memory_usage(sandbox)
@@ -158,6 +180,9 @@ def bench_live(sandbox, size: int, threads: int, rounds: int) -> dict:
                 mb = sum(psutil.Process(p).memory_full_info().uss for p in mine) / (1 << 20) / size
             except psutil.AccessDenied:  # sessions of another uid, without CAP_SYS_PTRACE (a default container)
                 mb = None
+        # What watching the parked sessions costs: the zygote's CPU while none of them runs (where no cgroup bounds a
+        # session, its watchdog samples every one of them).
+        zygote_core = _idle_cpu_share(_zygote_process(sandbox), 5.0)
 
         def follow(session):
             start = time.perf_counter()
@@ -170,7 +195,12 @@ def bench_live(sandbox, size: int, threads: int, rounds: int) -> dict:
             latencies += list(pool.map(follow, sessions))
     for session in sessions:
         session.close()
-    return {"p50_ms": percentile(latencies, 0.5) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3, "mb": mb}
+    return {
+        "p50_ms": percentile(latencies, 0.5) * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
+        "mb": mb,
+        "zygote_core": zygote_core,
+    }
 
 
 def bench_churn(sandbox, total: int, threads: int) -> dict:
@@ -234,7 +264,10 @@ def run_scale(args, preload) -> dict:
         if "live" in parts:
             held = bench_live(sandbox, live, threads, rounds=3)
             row.update(
-                live_follow_p50_ms=held["p50_ms"], live_follow_p99_ms=held["p99_ms"], live_mb_per_session=held["mb"]
+                live_follow_p50_ms=held["p50_ms"],
+                live_follow_p99_ms=held["p99_ms"],
+                live_mb_per_session=held["mb"],
+                live_zygote_idle_core=held["zygote_core"],
             )
         if "churn" in parts:
             gone = bench_churn(sandbox, churn, threads)
@@ -297,7 +330,13 @@ def run_scale(args, preload) -> dict:
     return row
 
 
-VERSUS_METRICS = ("live_follow_p50_ms", "live_follow_p99_ms", "churn_per_s", "live_mb_per_session")
+VERSUS_METRICS = (
+    "live_follow_p50_ms",
+    "live_follow_p99_ms",
+    "churn_per_s",
+    "live_mb_per_session",
+    "live_zygote_idle_core",
+)
 # A default rootful container; 1,024 live sessions hold more descriptors in the trainer than 4,096.
 CONTAINER = ("podman", "--runtime", "runc", "run", "--rm", "--ulimit", "nofile=16384:16384", "--ulimit")
 
@@ -346,7 +385,7 @@ def run_versus(args) -> dict:
             if Path(row["package"]).resolve().parents[1] != tree.resolve():
                 raise SystemExit(f"the {side} run imported {row['package']}, not the package of {tree}")
             runs[side].append(row)
-            shown = ", ".join(f"{k} {row[k]:.1f}" for k in VERSUS_METRICS if row.get(k) is not None)
+            shown = ", ".join(f"{k} {row[k]:.3g}" for k in VERSUS_METRICS if row.get(k) is not None)
             took = time.perf_counter() - started
             print(f"run {i + 1}/{args.versus_runs} {side}: {shown} ({took:.0f} s)", flush=True)
     result: dict = {"versus": old[:10], "runs": args.versus_runs, "in_container": args.in_container, "parts": parts}
@@ -363,7 +402,7 @@ def run_versus(args) -> dict:
     for key in VERSUS_METRICS:
         if f"{key}_ratio" in result:
             new, old_ = (
-                f"{result[f'{key}_{s}']:.1f} ({result[f'{key}_{s}_min']:.1f}-{result[f'{key}_{s}_max']:.1f})"
+                f"{result[f'{key}_{s}']:.3g} ({result[f'{key}_{s}_min']:.3g}-{result[f'{key}_{s}_max']:.3g})"
                 for s in ("new", "old")
             )
             print(f"  {key:24s} {new:>22s}  vs {old_:>22s}  ratio {result[f'{key}_ratio']:.3f}")

@@ -506,6 +506,7 @@ SCALE_VERSUS = Table(
         ("1,024 live sessions: follow-up p50, ms", _versus("live_follow_p50_ms")),
         ("1,024 live sessions: follow-up p99, ms", _versus("live_follow_p99_ms")),
         ("churn of 5,000: sessions opened, run and closed per second", _versus("churn_per_s", ".0f")),
+        ("1,024 parked sessions: the zygote's CPU, share of a core", _versus("live_zygote_idle_core", ".0%")),
     ],
     header="this checkout | 95cd8ab | ratio",
 )
