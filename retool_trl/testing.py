@@ -52,6 +52,9 @@ class ScriptedBackend:
         self.script_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in scripts]
         self.cursor = [0] * len(scripts)
         self.last_sequence: list[list[int] | None] = [None] * len(scripts)
+        self.turn_start: list[int | None] = [None] * len(scripts)  # where the last turn's output began
+        self.last_emitted: list[list[int]] = [[] for _ in scripts]
+        self.turn_cursor = [0] * len(scripts)  # where in its script the last turn began
         self.calls: list[int] = []  # batch size of each call
 
     def _match(self, sequences) -> list[int]:
@@ -60,15 +63,33 @@ class ScriptedBackend:
                 raise ValueError(f"{len(self.script_ids)} scripts for a batch of {len(sequences)} sequences")
             return list(range(len(sequences)))
         taken, rows = set(), []
-        for seq in sequences:
-            for j, last in enumerate(self.last_sequence):
-                if j not in taken and last is not None and list(seq[: len(last)]) == last:
-                    taken.add(j)
-                    rows.append(j)
-                    break
+        for seq in map(list, sequences):
+            free = [j for j, last in enumerate(self.last_sequence) if j not in taken and last is not None]
+            exact = [j for j in free if seq[: len(self.last_sequence[j])] == self.last_sequence[j]]
+            # A caller may have kept only the start of a turn's output (an engine stopping at an EOS id or a stop
+            # string the script ran past): that script then resumes where the kept part ended.
+            cut = [(kept, j) for j in free if (kept := self._kept(j, seq)) is not None]
+            if exact:
+                j = exact[0]
+            elif cut:
+                kept, j = max(cut)
+                self.cursor[j] = self.turn_cursor[j] + kept
+                self.last_sequence[j] = self.last_sequence[j][: self.turn_start[j] + kept]
             else:
                 raise KeyError("sequence does not continue any scripted sequence")
+            taken.add(j)
+            rows.append(j)
         return rows
+
+    def _kept(self, j: int, seq: list[int]) -> int | None:
+        """How much of script `j`'s last output `seq` kept, where it kept only a part of it after the same input."""
+        start, emitted = self.turn_start[j], self.last_emitted[j]
+        if start is None or seq[:start] != self.last_sequence[j][:start]:
+            return None
+        kept = 0
+        while kept < len(emitted) and start + kept < len(seq) and seq[start + kept] == emitted[kept]:
+            kept += 1
+        return kept if kept < len(emitted) else None
 
     def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
         rows = self._match(sequences)
@@ -76,6 +97,7 @@ class ScriptedBackend:
         outputs = []
         for j, seq, budget, stop in zip(rows, sequences, max_new_tokens, stop_at_code_end):
             ids, emitted = self.script_ids[j], []
+            self.turn_cursor[j] = self.cursor[j]
             while len(emitted) < budget:
                 if self.cursor[j] >= len(ids):
                     emitted.append(self.tokenizer.eos_token_id)
@@ -88,7 +110,7 @@ class ScriptedBackend:
                     break
             if self.step_seconds:
                 time.sleep(self.step_seconds * len(emitted))
-            self.last_sequence[j] = [*seq, *emitted]
+            self.last_sequence[j], self.turn_start[j], self.last_emitted[j] = [*seq, *emitted], len(seq), emitted
             outputs.append(TurnOutput(emitted, [-0.5] * len(emitted)))
         return outputs
 

@@ -17,6 +17,7 @@ import pytest
 from helpers.qwen_vocab import qwen_tokenizer, with_template
 from retool_trl.format.tool_calls import TOOLS, ToolCallFormat
 from retool_trl.rollout.batched import RolloutSpec, interleaved_rollout
+from retool_trl.rollout.types import TurnOutput
 from retool_trl.testing import FakeSandbox, ScriptedBackend
 
 
@@ -96,6 +97,36 @@ def test_llama_3_1_builtin_python_tool_calls_run(qwen, turn):
     assert (result.num_tool_calls, result.num_tool_errors, ran) == ([1], [0], 1)
     assert inserted.startswith("<|start_header_id|>ipython<|end_header_id|>\n\n") and "42" in inserted
     assert result.model_text[0].endswith("It is \\boxed{42}.")
+
+
+class _StopsAtEveryEos(ScriptedBackend):
+    """A scripted policy that runs past `<|eom_id|>` (it knows only the tokenizer's EOS) behind an engine that cuts
+    each turn at every EOS id of the model's generation config, as vLLM and `generate` do."""
+
+    def __init__(self, tokenizer, scripts, eos_ids):
+        super().__init__(tokenizer, scripts, None)
+        self.stops = set(eos_ids)
+
+    def generate_turn(self, sequences, max_new_tokens, stop_at_code_end):
+        outputs = super().generate_turn(sequences, max_new_tokens, stop_at_code_end)
+        ends = [next((k + 1 for k, t in enumerate(o.token_ids) if t in self.stops), len(o.token_ids)) for o in outputs]
+        return [TurnOutput(o.token_ids[:end], o.logprobs[:end]) for o, end in zip(outputs, ends)]
+
+
+def test_a_script_resumes_where_an_engine_cut_its_turn(qwen):
+    """The scripted backend behind a caller that keeps only the start of a turn (an engine's own stop ids): the next
+    turn continues the script from the cut, and the built-in call in between runs."""
+    tokenizer = llama(qwen)
+    eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eom_id|>")]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 6*7?"}], tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )
+    backend = _StopsAtEveryEos(tokenizer, ["<|python_tag|>print(6 * 7)<|eom_id|>It is \\boxed{42}."], eos_ids)
+    sandbox = FakeSandbox()
+    spec = RolloutSpec(400, eos_ids, call_format=ToolCallFormat(tokenizer))
+    result = interleaved_rollout([list(prompt)], backend, sandbox, tokenizer, spec)
+    assert (result.num_tool_calls, result.num_tool_errors, sum(sandbox.batches)) == ([1], [0], 1)
+    assert result.model_text[0].endswith("It is \\boxed{42}.") and len(backend.calls) == 2
 
 
 def test_the_trainers_tokenizer_is_left_as_given(qwen):
