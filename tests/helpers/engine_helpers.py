@@ -214,12 +214,11 @@ class SyncCheck:
         helper.sync_weights = sync_then_check
         return self
 
-    def assert_each_step_moved(self, at_least: float = 0.25) -> None:
-        """Every sync after the first followed a training step that moved the probe's log-probs visibly (beyond the
-        tolerance), so a skipped or stale sync could not have passed unseen."""
-        assert len(self.records) >= 2, self.records
-        for record in self.records[1:]:
-            assert record["moved"] > max(at_least, 5 * self.tolerance), self.records
+    def moved_syncs(self) -> int:
+        """How many syncs followed training that moved the probe's log-probs visibly (by three times the tolerance):
+        the ones a skipped or stale sync could not have passed. A step whose completions all scored alike updates
+        nothing, so the sync after it proves nothing."""
+        return sum(r.get("moved", 0.0) > 3 * self.tolerance for r in self.records)
 
 
 def push_by_reload(out_dir: Path, model_dir: str):
