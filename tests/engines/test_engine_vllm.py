@@ -16,8 +16,9 @@ from helpers.engine_helpers import (  # noqa: E402
     assert_same_rollout,
     engine_config,
     greedy_generation_config,
+    policy_logprobs,
     quickstart_dataset,
-    quickstart_tokenizer,
+    vllm_prompt_logprobs,
 )
 from retool_trl import ReToolTrainer  # noqa: E402
 from retool_trl.quickstart import model_path  # noqa: E402
@@ -26,17 +27,6 @@ from retool_trl.rollout.engines.transformers_generate import TransformersBackend
 from retool_trl.rollout.engines.vllm_batched import VLLMBackend  # noqa: E402
 from retool_trl.rollout.engines.vllm_server import CompletionsEngine  # noqa: E402
 from retool_trl.sandbox import LocalSandbox  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return quickstart_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with LocalSandbox(num_workers=1, timeout_s=10.0) as box:
-        yield box
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +58,6 @@ def greedy_vllm_rollout(helper, tokenizer, sandbox, prompts, spec):
         return interleaved_rollout(prompts, VLLMBackend(helper, tokenizer, "</code>"), sandbox, tokenizer, spec)
     finally:
         helper.temperature = saved
-
-
-def vllm_prompt_logprobs(llm, ids):
-    """Log-prob of each token of `ids` given the ones before, as the engine's model computes it."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    out = llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)[0]
-    return torch.tensor([out.prompt_logprobs[k][ids[k]].logprob for k in range(1, len(ids))])
-
-
-def policy_logprobs(model, ids):
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
 def test_colocate_greedy_rollout_equals_transformers(colocate_trainer, tokenizer, sandbox):

@@ -78,9 +78,19 @@ class VLLMServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"retool_vllm_server_{self.port}.log"
         command = local_command(model, self.port, max_model_len=max_model_len)
+        # The tests push weights by reload (`push_by_reload`) through this extension's method; `tests/` on the path
+        # so that the engine's processes import it.
+        command += ["--worker-extension-cls", "helpers.reload_worker.ReloadWorkerExtension"]
+        path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() ends the server and the engine core it spawns, nothing else.
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": path},
+        )
         self._wait_healthy(startup_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -122,6 +132,114 @@ def assert_same_rollout(ours, barrier, snippet_timeout: bool) -> None:
     assert ours.extra_fields() == barrier.extra_fields()  # the reward kwargs
     for a, b in zip(ours.logprobs, barrier.logprobs, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------ proof of the weight sync
+PROBE = "What is 12*34?\n<code>print(12*34)</code>"  # a fixed sequence whose log-probs stand for the weights
+SYNC_TOLERANCE = 0.05  # vLLM's CPU kernels are not bit-identical to torch's: mean |difference| of log-probs below it
+
+
+def vllm_prompt_logprobs(llm, ids):
+    """Log-prob of each token of `ids` given the ones before, as the colocated engine's model computes it."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    out = llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[k][ids[k]].logprob for k in range(1, len(ids))])
+
+
+def server_prompt_logprobs(client, ids):
+    """The same, as a vLLM server's model computes it (TRL's `VLLMClient.get_sequence_logprobs`)."""
+    import torch
+
+    out = client.get_sequence_logprobs([ids], prompt_lengths=[1], top_logprobs=1)
+    return torch.tensor([step[0] for step in out["actual_logprobs"][0]])
+
+
+def policy_logprobs(model, ids):
+    """The same under `model` in torch: a full forward of the trainer's own model, the independent truth."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def gap(a, b) -> float:
+    """Mean absolute difference of two log-prob vectors."""
+    return (a - b).abs().mean().item()
+
+
+class WeightsNotSynced(AssertionError):
+    """The engine's log-probs after a weight sync are not the trainer's current policy's."""
+
+
+class SyncCheck:
+    """Proof that each weight sync reached the engine: installed on TRL's helper (`after_each_sync`), after every
+    `sync_weights` it computes the log-probs of a fixed probe on the engine (`engine_logprobs(ids)`) and under the
+    trainer's model in torch, and raises `WeightsNotSynced` when they differ by more than `tolerance`. `records` keeps
+    each sync's numbers: `gap` (engine vs policy), and from the second sync on `moved` (policy vs the policy at the
+    previous sync: what training changed) and `stale` (engine vs the previous sync's policy)."""
+
+    def __init__(self, model, engine_logprobs, tokenizer, tolerance: float = SYNC_TOLERANCE):
+        self.model, self.engine_logprobs, self.tolerance = model, engine_logprobs, tolerance
+        self.ids = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+        self.records: list[dict] = []
+        self._previous = None
+
+    def __call__(self) -> dict:
+        policy, engine = policy_logprobs(self.model, self.ids), self.engine_logprobs(self.ids)
+        record = {"gap": gap(engine, policy)}
+        if self._previous is not None:
+            record.update(moved=gap(policy, self._previous), stale=gap(engine, self._previous))
+        self._previous = policy
+        self.records.append(record)
+        if record["gap"] > self.tolerance:
+            raise WeightsNotSynced(
+                f"sync {len(self.records)}: the engine's log-probs are {record['gap']:.3f} from the trainer's "
+                f"policy (tolerance {self.tolerance}); {record}"
+            )
+        return record
+
+    def after_each_sync(self, helper) -> SyncCheck:
+        """Wraps `helper.sync_weights` (TRL's `VLLMGeneration`, as the trainer set it up) so the check runs after each
+        sync the trainer makes."""
+        sync = helper.sync_weights
+
+        def sync_then_check():
+            sync()
+            self()
+
+        helper.sync_weights = sync_then_check
+        return self
+
+    def moved_syncs(self) -> int:
+        """How many syncs followed training that moved the probe's log-probs visibly (by three times the tolerance):
+        the ones a skipped or stale sync could not have passed. A step whose completions all scored alike updates
+        nothing, so the sync after it proves nothing."""
+        return sum(r.get("moved", 0.0) > 3 * self.tolerance for r in self.records)
+
+
+def push_by_reload(out_dir: Path, model_dir: str):
+    """`VLLMClient.update_named_params` over vLLM's reload API instead of NCCL (which needs CUDA): the tensors TRL's
+    `sync_weights` streams are written as a checkpoint and the server's workers reload from it (`/collective_rpc`
+    `reload_weights_tied`, a `VLLMServer`'s worker extension: vLLM's `reload_weights`, then the tied LM head
+    repacked). TRL's `sync_weights` itself (which process pushes, what it iterates, the prefix-cache reset after the
+    push) runs unchanged."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def update_named_params(self, metadata, named_params):
+        folder = Path(out_dir) / "pushed"
+        folder.mkdir(exist_ok=True)
+        save_file({name: t.detach().contiguous().clone() for name, t in named_params}, folder / "model.safetensors")
+        shutil.copy(Path(model_dir) / "config.json", folder / "config.json")
+        method = {"method": "reload_weights_tied", "kwargs": {"weights_path": str(folder)}}
+        self._post(f"{self.base_url}/collective_rpc", json=method)
+
+    return update_named_params
 
 
 class RefusingProxy:

@@ -177,26 +177,6 @@ def rollout_server(out_dir: Path, rank: int, world: int, server_url: str) -> dic
     return {"completions": completions, "losses": []}
 
 
-def push_by_reload(out_dir: Path, model_dir: str):
-    """`VLLMClient.update_named_params` over vLLM's reload API instead of NCCL (which needs CUDA): the tensors TRL's
-    `sync_weights` streams are written as a checkpoint and the server's workers reload from it (`/collective_rpc`
-    `reload_weights`). TRL's `sync_weights` itself (which process pushes, what it iterates, the prefix-cache reset
-    after the push) runs unchanged."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    def update_named_params(self, metadata, named_params):
-        folder = out_dir / "pushed"
-        folder.mkdir(exist_ok=True)
-        save_file({name: t.detach().contiguous().clone() for name, t in named_params}, folder / "model.safetensors")
-        shutil.copy(Path(model_dir) / "config.json", folder / "config.json")
-        method = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-        self._post(f"{self.base_url}/collective_rpc", json=method)
-
-    return update_named_params
-
-
 def policy_logprobs(model, prompt_ids, completion_ids, n: int) -> list[list[float]]:
     """Log-probs of the first `n` tokens of each completion under `model` (eval mode, no grad)."""
     model.eval()
@@ -218,7 +198,7 @@ def rollout_server_sync(out_dir: Path, rank: int, world: int, server_url: str) -
     and the previous policy."""
     from trl.generation.vllm_client import VLLMClient
 
-    from helpers.engine_helpers import engine_config, quickstart_tokenizer
+    from helpers.engine_helpers import engine_config, push_by_reload, quickstart_tokenizer
     from retool_trl.quickstart import model_path
 
     VLLMClient.init_communicator = lambda self, device=None: None  # NCCL needs CUDA: the push goes by reload
