@@ -62,29 +62,32 @@ class ScriptedBackend:
             if len(sequences) != len(self.script_ids):
                 raise ValueError(f"{len(self.script_ids)} scripts for a batch of {len(sequences)} sequences")
             return list(range(len(sequences)))
-        taken, rows = set(), []
-        for seq in map(list, sequences):
-            free = [j for j, last in enumerate(self.last_sequence) if j not in taken and last is not None]
-            exact = [j for j in free if seq[: len(self.last_sequence[j])] == self.last_sequence[j]]
-            # A caller may have kept only the start of a turn's output (an engine stopping at an EOS id or a stop
-            # string the script ran past): that script then resumes where the kept part ended.
-            cut = [(kept, j) for j in free if (kept := self._kept(j, seq)) is not None]
-            if exact:
-                j = exact[0]
-            elif cut:
-                kept, j = max(cut)
-                self.cursor[j] = self.turn_cursor[j] + kept
-                self.last_sequence[j] = self.last_sequence[j][: self.turn_start[j] + kept]
-            else:
+        sequences = [list(seq) for seq in sequences]
+        rows: list[int | None] = [None] * len(sequences)
+        for i, seq in enumerate(sequences):  # exact continuations first, for every sequence
+            for j, last in enumerate(self.last_sequence):
+                if j not in rows and last is not None and seq[: len(last)] == last:
+                    rows[i] = j
+                    break
+        # Then a caller that kept only the start of a turn's output (an engine stopping at an EOS id or a stop string
+        # the script ran past): that script resumes where the kept part ended. The longest kept part wins, the
+        # first script on a tie; a sequence that kept none of the output is no continuation.
+        for i, seq in enumerate(sequences):
+            if rows[i] is not None:
+                continue
+            cut = [(-kept, j) for j in range(len(self.script_ids)) if j not in rows and (kept := self._kept(j, seq))]
+            if not cut:
                 raise KeyError("sequence does not continue any scripted sequence")
-            taken.add(j)
-            rows.append(j)
+            most, j = min(cut)  # most: minus the longest kept part
+            self.cursor[j] = self.turn_cursor[j] - most
+            self.last_sequence[j] = self.last_sequence[j][: self.turn_start[j] - most]
+            rows[i] = j
         return rows
 
     def _kept(self, j: int, seq: list[int]) -> int | None:
         """How much of script `j`'s last output `seq` kept, where it kept only a part of it after the same input."""
         start, emitted = self.turn_start[j], self.last_emitted[j]
-        if start is None or seq[:start] != self.last_sequence[j][:start]:
+        if start is None or self.last_sequence[j] is None or seq[:start] != self.last_sequence[j][:start]:
             return None
         kept = 0
         while kept < len(emitted) and start + kept < len(seq) and seq[start + kept] == emitted[kept]:

@@ -24,8 +24,8 @@ them running: a file another session writes through a descriptor passed to it (o
 scope abstract UNIX sockets), pages the kernel's khugepaged fills in under a sparse huge-page range. A session of one
 process with one thread (every session between calls) is held to `memory_mb` by its address-space limit, which a
 cell cannot raise, so its memory is not summed; where, besides, no other session can hand it a descriptor (`sealed`:
-Landlock ABI 6+), neither can grow without it running, and it is resampled every `SEALED_RESAMPLE_S` instead (at
-1,024 parked sessions the once-a-second resample was most of the zygote's watching).
+Landlock ABI 6+ with a uid per session, or ABI 9+), neither can grow without it running, and it is resampled every
+`SEALED_RESAMPLE_S` instead (at 1,024 parked sessions the once-a-second resample was most of the zygote's watching).
 Stdlib-only: the zygote imports it as a sibling script module.
 """
 
@@ -77,14 +77,14 @@ def private_resident_bytes(pid):
 
 
 def read_proc(path, size=8192):
-    """The bytes of a /proc file, read from a raw descriptor: half the cost of `open()`'s buffered file object,
-    which at 1,024 live sessions, ten samples a second, was a tenth of a core on its own. One read, unless it
-    filled the buffer (a long list of children)."""
+    """The bytes of a /proc file, read from a raw descriptor (cheaper than `open()`'s buffered file object, read for
+    every live session ten times a second). Read to the end: a file of many records (a long list of children) comes
+    back one kernel page per read, whatever `size` asks."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        parts = [os.read(fd, size)]
-        while len(parts[-1]) == size:
-            parts.append(os.read(fd, size))
+        parts = []
+        while chunk := os.read(fd, size):
+            parts.append(chunk)
         return b"".join(parts)
     finally:
         os.close(fd)
@@ -164,9 +164,16 @@ def session_bounds(config):
         "files": config["max_files"],
         "by_fsuid": bool(config.get("watch_by_fsuid")),
         # Sessions cannot hand each other descriptors: Landlock scopes abstract UNIX sockets to the session (ABI 6+),
-        # and a pathname socket can only be bound in the session's own scratch, which no other session's uid reaches.
-        "sealed": int((config.get("landlock") or {}).get("abi", 0)) >= 6,
+        # and a pathname socket can only be bound in a session's own scratch, which no other session's uid reaches
+        # (a uid per session); pathname connects outside the scratch are refused from ABI 9 (before, a third party's
+        # socket that relays descriptors, a D-Bus bus say, is left).
+        "sealed": _sealed(config),
     }
+
+
+def _sealed(config):
+    abi = int((config.get("landlock") or {}).get("abi", 0))
+    return abi >= 9 or (abi >= 6 and bool(config.get("drop_uid")))
 
 
 def scratch_unbounded(config):
@@ -223,14 +230,15 @@ def run_times(pids):
 
 
 def _schedstat(pid):
-    """/proc/PID/schedstat, through a descriptor kept open and re-read with `pread` (a fifth of the cost of opening it
-    each time, read for every parked session ten times a second). The descriptor names that process, not the number:
+    """/proc/PID/schedstat, through a descriptor kept open and re-read with `pread` (cheaper than opening it each
+    time, read for every parked session ten times a second). The descriptor names that process, not the number:
     once it is gone a read fails (ESRCH), even if another process has taken its pid. Descriptors are kept while the
     table is under three quarters full, the rest left to the sessions' own."""
     fd = _schedstat_fds.get(pid)
     if fd is None:
         fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        if fd >= resource.getrlimit(resource.RLIMIT_NOFILE)[0] * 3 // 4:
+        # Under 1 << 16 too: a jail closes what it inherits up to there (`reach.close_all_but`).
+        if fd >= min(resource.getrlimit(resource.RLIMIT_NOFILE)[0] * 3 // 4, 1 << 16):
             try:
                 return os.read(fd, 128)
             finally:
@@ -260,7 +268,9 @@ def over_budget(pid, bounds, scratch=None, uid=0):
     # Read before the sample: a process that runs after this shows in its run time. Where each process has one
     # thread, and no process came or went meanwhile (a fork between the walk and this read), a sample that found the
     # session within bounds, its tree walked too, holds until one of them runs.
-    before, sampled_at = (run_times(pids) if tasks == len(pids) else None), time.monotonic()
+    # (Not for a session over its task bound, about to be killed: a descriptor kept for each of its processes.)
+    within = bounds.get("tasks") is None or tasks <= bounds["tasks"]
+    before, sampled_at = (run_times(pids) if tasks == len(pids) and within else None), time.monotonic()
     reason, walked = _over(pids, tasks, bounds, scratch, uid)
     if reason is None and before is not None and (walked or not scratch) and process_tree(pid) == (pids, tasks):
         _quiet[pid] = (before, sampled_at)
@@ -297,10 +307,9 @@ def enforce(sessions, bounds):
     live = {pid for pid, _, _ in sessions}
     for gone in [pid for pid in _quiet if pid not in live]:
         del _quiet[gone]
-    if len(_schedstat_fds) > len(_quiet):  # descriptors of processes no quiet session holds any more
-        held = {member for last, _ in _quiet.values() for member in last}
-        for gone in [member for member in _schedstat_fds if member not in held]:
-            _forget_schedstat(gone)
+    held = {member for last, _ in _quiet.values() for member in last}
+    for gone in [member for member in _schedstat_fds if member not in held]:  # no quiet session holds it any more
+        _forget_schedstat(gone)
     for pid, scratch, uid in sessions:
         pids, reason = over_budget(pid, bounds, scratch, uid)
         if reason is None:
