@@ -84,6 +84,8 @@ def train_run(
     eval_metrics=None,
     probe=None,
     console_label=None,
+    callbacks=None,
+    evaluate_before=True,
     **overrides,
 ) -> dict:
     """Evaluates the starting checkpoint, trains one GRPO run, evaluates again, and saves model and logs.
@@ -92,7 +94,9 @@ def train_run(
     `eval_metrics(report)` adds a task's metrics to each evaluation; `probe(model, tokenizer, dataset, config,
     sandbox, seed, when)` runs after each evaluation (`when`: `"before"` or `"after"`) and returns more summary
     figures, named by itself (the multi-turn task's recovery probe); `console_label` starts each progress line (runs
-    trained side by side); `overrides` are extra `ReToolConfig` fields (ablations, the multi-turn task's limits).
+    trained side by side); `callbacks` are more `TrainerCallback`s (an ablation's stop at a sample budget);
+    `evaluate_before=False` skips the evaluation of the starting checkpoint (arms of an ablation share it);
+    `overrides` are extra `ReToolConfig` fields (ablations, the multi-turn task's limits).
     """
     from transformers import AutoModelForCausalLM
 
@@ -104,11 +108,19 @@ def train_run(
     model = AutoModelForCausalLM.from_pretrained(start)
     print(f"\n== {name}: {RUNS.get(name, overrides or 'GRPO with the interpreter')} ==", flush=True)
     evaluated = dict(eval_metrics=eval_metrics, label=console_label)
-    before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", **evaluated)
-    probed = probe(model, tokenizer, splits["test"], config, sandbox, args.seed, "before") if probe else {}
+    before, probed = {}, {}
+    if evaluate_before:
+        before = _evaluate(model, tokenizer, splits["test"], config, sandbox, args.seed, "eval_before", **evaluated)
+        probed = probe(model, tokenizer, splits["test"], config, sandbox, args.seed, "before") if probe else {}
     started = time.perf_counter()
     trainer = ReToolTrainer(
-        model, reward_funcs, args=config, train_dataset=splits["train"], processing_class=tokenizer, sandbox=sandbox
+        model,
+        reward_funcs,
+        args=config,
+        train_dataset=splits["train"],
+        processing_class=tokenizer,
+        sandbox=sandbox,
+        callbacks=callbacks,
     )
     use_compact_console(trainer, run_dir / "log.jsonl", label=console_label)
     trainer.train()
