@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Renders the figure tables of README.md and the docs (performance, quickstart, vllm) from `scripts/results/*.jsonl`.
+"""Renders the figure tables of README.md and the docs (performance, quickstart, training, vllm) from
+`scripts/results/*.jsonl`.
 
 Each table sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in its page; the prose around it stays
 hand-written. Under each table a line names its source: the results file, the lines, the command and the date,
@@ -7,8 +8,8 @@ commit, cores and load they were measured at. A line measured with another comma
 (other flags, or recorded before runs logged their conditions) says so in that line.
 
 The emergence quickstart's table and plot come from `render_quickstart`, the sandbox server's capacity table and plot
-from `render_capacity`; their plots are redrawn on a rewrite (`--check`
-compares the tables only).
+from `render_capacity`, the dynamic-sampling ablation's from `render_ablation`; their plots are redrawn on a rewrite
+(`--check` compares the tables only).
 
     python scripts/render/render_figures.py           # rewrite the tables in place
     python scripts/render/render_figures.py --check   # exit 1, naming each table that differs from its results (CI)
@@ -24,14 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_capacity, render_quickstart, when imported by a test
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_*, when imported by a test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
+import render_ablation  # noqa: E402
 import render_capacity  # noqa: E402
 import render_quickstart  # noqa: E402
 import results_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md", "docs/vllm.md")
+PAGES = ("README.md", "docs/performance.md", "docs/quickstart.md", "docs/training.md", "docs/vllm.md")
 IGNORED_FLAGS = {"--json", "--no-record"}  # change what is printed, not what is measured
 
 
@@ -553,6 +555,7 @@ def blocks(directory: Path) -> dict[str, str]:
         rendered[table.benchmark] = render_table(table, directory)
     rendered.update(render_quickstart.blocks(directory))
     rendered.update(render_capacity.blocks(directory))
+    rendered.update(render_ablation.blocks(directory))
     return rendered
 
 
@@ -593,6 +596,7 @@ def main(argv=None) -> int:
     if not args.check:
         render_quickstart.draw(args.root / "scripts" / "results")
         render_capacity.draw(args.root / "scripts" / "results")
+        render_ablation.draw(args.root / "scripts" / "results")
     if args.check and stale:
         print(
             f"figures in {', '.join(stale)} differ from scripts/results/*.jsonl: "
