@@ -14,7 +14,7 @@ measured under (`results_log`). `scripts/render/render_figures.py` renders the t
 `dynamic_sampling_ablation.png` from these lines.
 
     python scripts/experiments/ablate_dynamic_sampling.py [--tasks emerge,multiturn] [--seeds 0-4]
-        [--output-dir runs/dynamic_sampling_ablation] [--max-rounds 3] [--max-steps N] [--no-record]
+        [--output-dir runs/dynamic_sampling_ablation] [--max-rounds 3] [--max-steps N] [--num-eval N] [--no-record]
 """
 
 from __future__ import annotations
@@ -37,20 +37,35 @@ ARMS = ("baseline", "dynamic")
 TASKS = ("emerge", "multiturn")
 
 
+ROUNDS = "retool/dynamic_sampling/rounds"
+
+
 def budget_callback(budget: int, generation_batch: int):
     """A `TrainerCallback` that stops training once `budget` completions have been generated: each logged step
-    generated `retool/dynamic_sampling/rounds` generation batches (one without dynamic sampling)."""
+    generated `retool/dynamic_sampling/rounds` generation batches (one without dynamic sampling). It counts per
+    step, so it needs one log per step and one step per generation batch, and refuses other settings."""
     from transformers import TrainerCallback
 
     class SampleBudget(TrainerCallback):
         def __init__(self):
             self.generated = 0
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            per_step = (args.logging_steps, args.steps_per_generation, args.num_iterations)
+            if per_step != (1, 1, 1):
+                raise ValueError(
+                    "the sample budget counts one generation batch per logged step: it needs logging_steps=1, "
+                    f"steps_per_generation=1 and num_iterations=1, got {per_step}"
+                )
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:  # the end-of-training summary, not a step
                 return
-            self.generated += round(logs.get("retool/dynamic_sampling/rounds", 1.0)) * generation_batch
-            state.log_history[-1]["retool/samples_generated"] = self.generated  # the entry of these logs
+            if args.dynamic_sampling and ROUNDS not in logs:
+                raise RuntimeError(f"dynamic sampling is on but the step logged no {ROUNDS}: cannot count samples")
+            self.generated += round(logs.get(ROUNDS, 1.0)) * generation_batch
+            logs["retool/samples_generated"] = self.generated  # the run's log.jsonl, written from these logs
+            state.log_history[-1]["retool/samples_generated"] = self.generated  # trainer_state.json's entry
             if self.generated >= budget:
                 control.should_training_stop = True
 
@@ -65,7 +80,7 @@ def curves(log_history: list[dict]) -> dict:
         "step_code_ratio": [h.get("retool/code_ratio") for h in steps],
         "step_accuracy": [h.get("retool/accuracy") for h in steps],
         "step_zero_std": [h.get("frac_reward_zero_std") for h in steps],
-        "step_rounds": [h.get("retool/dynamic_sampling/rounds", 1.0) for h in steps],
+        "step_rounds": [h.get(ROUNDS, 1.0) for h in steps],
         "step_capped": [h.get("retool/dynamic_sampling/capped", 0.0) for h in steps],
     }
 
@@ -78,7 +93,7 @@ def first_over_half(values, samples) -> tuple[int | None, int | None]:
     return None, None
 
 
-def run_arm(task: str, seed: int, arm: str, out: Path, max_rounds: int, max_steps: int | None) -> dict:
+def run_arm(task: str, seed: int, arm: str, out: Path, options) -> dict:
     """One arm of one seed (run in its own process): train, evaluate after, return its figures."""
     import torch
     from transformers import AutoTokenizer
@@ -90,7 +105,10 @@ def run_arm(task: str, seed: int, arm: str, out: Path, max_rounds: int, max_step
 
     started = time.perf_counter()
     make_plan, defaults = PLANS[task]
-    settings = {**defaults, **({"max_steps": max_steps} if max_steps else {})}
+    settings = {
+        **defaults,
+        **{k: v for k, v in (("max_steps", options.max_steps), ("num_eval", options.num_eval)) if v},
+    }
     args = QuickstartArguments(output_dir=str(out), task=task, seed=seed, **settings)
     torch.set_num_threads(args.threads or 1)
     transformers_logging.disable_progress_bar()  # two arms share the console: labelled lines instead of bars
@@ -99,7 +117,7 @@ def run_arm(task: str, seed: int, arm: str, out: Path, max_rounds: int, max_step
     budget = args.max_steps * generation_batch
     kwargs = {k: v for k, v in plan.run_kwargs.items() if k != "probe"}  # the task's figures, not its probe
     if arm == "dynamic":
-        kwargs.update(dynamic_sampling=True, dynamic_sampling_max_rounds=max_rounds)
+        kwargs.update(dynamic_sampling=True, dynamic_sampling_max_rounds=options.max_rounds)
     tokenizer = AutoTokenizer.from_pretrained(plan.model, padding_side="left")
     sandbox = sandbox_from_config(rl_config(args, out, with_tools=True))
     try:
@@ -141,10 +159,21 @@ def run_seed(task: str, seed: int, out: Path, options) -> dict:
     for arm in ARMS:
         command = [sys.executable, __file__, "--arm", arm, "--tasks", task, "--seeds", str(seed)]
         command += ["--output-dir", str(out), "--max-rounds", str(options.max_rounds)]
-        if options.max_steps:
-            command += ["--max-steps", str(options.max_steps)]
+        for flag, value in (("--max-steps", options.max_steps), ("--num-eval", options.num_eval)):
+            command += [flag, str(value)] if value else []
         children[arm] = subprocess.Popen(command)
-    failed = {arm: child.wait() for arm, child in children.items()}
+    failed = {}
+    try:
+        while len(failed) < len(children) and not any(failed.values()):  # a failed arm ends the other at once
+            for arm, child in children.items():
+                if arm not in failed and child.poll() is not None:
+                    failed[arm] = child.returncode
+            time.sleep(0.5)
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
     failed = {arm: code for arm, code in failed.items() if code}
     if failed:
         raise RuntimeError(f"{task} seed {seed}: arm(s) failed with exit codes {failed}; see the output above")
@@ -158,6 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", default="runs/dynamic_sampling_ablation", help="Parent of the run folders.")
     parser.add_argument("--max-rounds", type=int, default=3, help="dynamic_sampling_max_rounds of the dynamic arm.")
     parser.add_argument("--max-steps", type=int, default=None, help="Baseline steps, the budget (default: task's).")
+    parser.add_argument("--num-eval", type=int, default=None, help="Held-out problems (default: the task's).")
     parser.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # one arm, in its own process
     results_log.add_arguments(parser)
     options = parser.parse_args(argv)
@@ -174,7 +204,7 @@ def main(argv=None) -> int:
         parser.error(str(error))
     if options.arm:  # a child: one task, one seed, one arm
         out = Path(options.output_dir)
-        figures = run_arm(tasks[0], seeds[0], options.arm, out / options.arm, options.max_rounds, options.max_steps)
+        figures = run_arm(tasks[0], seeds[0], options.arm, out / options.arm, options)
         (out / options.arm / "result.json").write_text(json.dumps(figures) + "\n")
         return 0
     for task in tasks:
@@ -183,8 +213,7 @@ def main(argv=None) -> int:
             out = Path(options.output_dir) / task / f"seed{seed}"
             arms = run_seed(task, seed, out, options)
             line = {"task": task, "seed": seed, "max_rounds": options.max_rounds, "arms": arms}
-            if options.max_steps:
-                line["max_steps"] = options.max_steps
+            line.update({k: v for k, v in (("max_steps", options.max_steps), ("num_eval", options.num_eval)) if v})
             results_log.record(BENCHMARK, line, run, enabled=not options.no_record)
             print(
                 f"{task} seed {seed}: "

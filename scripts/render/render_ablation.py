@@ -2,9 +2,10 @@
 `scripts/results/dynamic_sampling_ablation.jsonl` (one line per task and seed, written by
 `scripts/experiments/ablate_dynamic_sampling.py`).
 
-Per task and seed the table uses the newest line recorded with the shipped budget (no `--max-steps`) and the newest
-line's `max_rounds`, so a re-run replaces the old seeds instead of mixing with them. `dynamic_sampling_ablation.png`
-is redrawn from the same lines. `scripts/render/render_figures.py` calls `blocks` and `draw`.
+Per task and seed the table uses the newest line recorded with the shipped budget and evaluation (no `--max-steps`,
+no `--num-eval`) and the newest line's `max_rounds`, so a re-run replaces the old seeds instead of mixing with them.
+`dynamic_sampling_ablation.png` is redrawn from the same lines. `scripts/render/render_figures.py` calls `blocks`
+and `draw`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ ARMS = ("baseline", "dynamic")
 
 def chosen(directory: Path) -> dict[str, list[tuple[int, dict]]]:
     """Per task, (line number, line) of the newest full-budget line per seed with the newest `max_rounds`."""
-    lines = [(n, line) for n, line in enumerate(results_log.read(BENCHMARK, directory), 1) if "max_steps" not in line]
+    lines = [
+        (n, line)
+        for n, line in enumerate(results_log.read(BENCHMARK, directory), 1)
+        if "max_steps" not in line and "num_eval" not in line  # the shipped budget and evaluation only
+    ]
     by_task: dict[str, dict[int, tuple[int, dict]]] = {}
     rounds = lines[-1][1]["max_rounds"] if lines else None
     for n, line in lines:
