@@ -13,8 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_quickstart, when imported by a test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # results_log: where every run is recorded
 import results_log  # noqa: E402
+from render_quickstart import _count, _pct, _provenance, _stats  # noqa: E402  (the seed tables' own formatting)
 
 BENCHMARK = "dynamic_sampling_ablation"
 PLOT = f"{BENCHMARK}.png"
@@ -37,14 +39,6 @@ def chosen(directory: Path) -> dict[str, list[tuple[int, dict]]]:
     return {task: [seeds[s] for s in sorted(seeds)] for task, seeds in by_task.items()}
 
 
-def _pct(value) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
-def _count(value) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
 ROWS = (
     ("held-out accuracy after", "accuracy_after", _pct),
     ("held-out code ratio after", "code_ratio_after", _pct),
@@ -55,11 +49,6 @@ ROWS = (
     ("steps that hit the cap", "capped_steps", _count),
     ("training time (s)", "train_s", _count),
 )
-
-
-def _stats(values) -> list:
-    present = [v for v in values if v is not None]
-    return [sum(present) / len(present), min(present), max(present)] if present else [None] * 3
 
 
 def table(by_task: dict[str, list[tuple[int, dict]]]) -> str:
@@ -76,20 +65,6 @@ def table(by_task: dict[str, list[tuple[int, dict]]]) -> str:
     return "\n".join(out)
 
 
-def _provenance(by_task: dict[str, list[tuple[int, dict]]]) -> str:
-    notes = []
-    for task, lines in by_task.items():
-        for n, line in lines:
-            run = line["run"]
-            where = f"line {n} ({task}, seed {line['seed']}): {run.get('date', '')[:10]}, commit {run.get('commit')}"
-            if run.get("dirty"):
-                where += " (with uncommitted changes)"
-            load = run.get("load_avg_before")
-            where += f", {run.get('cpu_count')} CPUs, load average before {load[0]:.1f}" if load else ""
-            notes.append(where)
-    return f"Source: `scripts/results/{BENCHMARK}.jsonl`, " + "; ".join(notes) + "."
-
-
 def blocks(directory: Path) -> dict[str, str]:
     by_task = chosen(directory)
     if not by_task:
@@ -98,7 +73,9 @@ def blocks(directory: Path) -> dict[str, str]:
     head = (
         f"`dynamic_sampling_max_rounds` {rounds}; every arm stops at the baseline's budget of generated samples.\n\n"
     )
-    return {BENCHMARK: head + table(by_task) + "\n\n" + _provenance(by_task)}
+    used = [entry for lines in by_task.values() for entry in lines]
+    source = _provenance(used, BENCHMARK, name=lambda line: f"{line['task']}, seed {line['seed']}")
+    return {BENCHMARK: head + table(by_task) + "\n\n" + source}
 
 
 def draw(directory: Path) -> Path | None:

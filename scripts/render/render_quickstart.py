@@ -81,12 +81,15 @@ FORMAT_ROWS = (
 )
 
 
-def _provenance(chosen: list[tuple[int, dict]], benchmark: str = BENCHMARK) -> str:
+def _provenance(
+    chosen: list[tuple[int, dict]], benchmark: str = BENCHMARK, name=lambda line: f"seed {line['seed']}"
+) -> str:
+    """The source line under a table: per line used, its number, what it is (`name(line)`) and its conditions."""
     notes = []
     for n, line in chosen:
         run = line["run"]
         load = run.get("load_avg_before")
-        where = f"line {n} (seed {line['seed']}): {run.get('date', '')[:10]}, commit {run.get('commit') or 'unknown'}"
+        where = f"line {n} ({name(line)}): {run.get('date', '')[:10]}, commit {run.get('commit') or 'unknown'}"
         if run.get("dirty"):
             where += " (with uncommitted changes)"
         where += f", {run.get('cpu_count')} CPUs, load average before {load[0]:.1f}" if load else ""
@@ -96,15 +99,19 @@ def _provenance(chosen: list[tuple[int, dict]], benchmark: str = BENCHMARK) -> s
     return f"Source: `scripts/results/{benchmark}.jsonl`, " + "; ".join(notes) + "."
 
 
+def _stats(values) -> list:
+    """Mean, min and max of the values present (`None` three times when there are none)."""
+    present = [v for v in values if v is not None]
+    return [sum(present) / len(present), min(present), max(present)] if present else [None] * 3
+
+
 def _table(chosen: list[tuple[int, dict]], rows) -> str:
     seeds = [line["seed"] for _, line in chosen]
     out = ["| run | figure | mean | min | max | " + " | ".join(f"seed {s}" for s in seeds) + " |"]
     out.append("|---" * (5 + len(seeds)) + "|")
     for run, label, key, show in rows:
         values = [line[run].get(key) if run else line.get(key) for _, line in chosen]
-        present = [v for v in values if v is not None]
-        stats = [sum(present) / len(present), min(present), max(present)] if present else [None] * 3
-        out.append(f"| {run or 'both'} | {label} | " + " | ".join(show(v) for v in stats + values) + " |")
+        out.append(f"| {run or 'both'} | {label} | " + " | ".join(show(v) for v in _stats(values) + values) + " |")
     return "\n".join(out)
 
 
